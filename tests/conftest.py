@@ -1,0 +1,45 @@
+"""Tiny random targets and drafts, built with the real constructors; everything runs on CPU in seconds."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from domino_spec import DominoDraftModel
+
+TINY_TARGET_FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def tiny_target(family: str = "qwen3", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A random causal LM of the given family (`qwen3`, `llama` or `qwen2`) with a 128-token vocabulary."""
+    torch.manual_seed(seed)
+    fields = {**TINY_TARGET_FIELDS, **overrides}
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **fields))
+    elif family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **fields))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**fields))
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    return model.to(dtype).eval()
+
+
+def tiny_draft(target, seed: int = 1, **overrides) -> DominoDraftModel:
+    """A random draft for `target`: 2 layers, block 4, tapping target layers 1 and 3."""
+    torch.manual_seed(seed)
+    fields = dict(num_hidden_layers=2, block_size=4, target_layer_ids=[1, 3], gru_hidden_dim=32, emb_dim=16)
+    fields.update(overrides)
+    return DominoDraftModel.from_target(target, **fields).eval()
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def family(request) -> str:
+    return request.param
