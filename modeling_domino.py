@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
@@ -164,6 +165,42 @@ def apply_rope(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return states * cos + rotate_half(states) * sin
 
 
+def flex_block_attention_mask(
+    anchor_positions: torch.Tensor, context_length: int, block_size: int, context_mask: torch.Tensor | None = None
+) -> BlockMask:
+    """The same training mask as `block_attention_mask`, as a sparse flex_attention `BlockMask`."""
+    batch_size, num_blocks = anchor_positions.shape
+    if context_mask is None:
+        context_mask = anchor_positions.new_ones(batch_size, context_length)
+    context_mask = context_mask.bool()
+
+    def allowed(batch, head, query, key):
+        block = query // block_size
+        anchor = anchor_positions[batch, block]
+        in_context = key < context_length
+        sees_context = in_context & (key < anchor) & context_mask[batch, key.clamp(max=context_length - 1)]
+        sees_block = ~in_context & ((key - context_length) // block_size == block)
+        return sees_context | sees_block
+
+    num_queries = num_blocks * block_size
+    return create_block_mask(
+        allowed, batch_size, None, num_queries, context_length + num_queries, device=anchor_positions.device
+    )
+
+
+_compiled_flex_attention = None
+
+
+def _flex_attention(query, keys, values, block_mask, enable_gqa):
+    """flex_attention, compiled once on CUDA (where it pays); eager elsewhere."""
+    global _compiled_flex_attention
+    if not query.is_cuda:
+        return flex_attention(query, keys, values, block_mask=block_mask, enable_gqa=enable_gqa)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention(query, keys, values, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
 class DominoAttention(nn.Module):
     """Adapted from Qwen3Attention: queries come from the block; keys and values also read the target context."""
 
@@ -207,13 +244,17 @@ class DominoAttention(nn.Module):
         block_keys, block_values = self._keys_values(hidden_states, cos, sin)
         keys = torch.cat([context_keys, block_keys], dim=-2)  # [B, Hkv, T + Q, Dh]
         values = torch.cat([context_values, block_values], dim=-2)
+        enable_gqa = self.num_heads != self.num_key_value_heads
+        if isinstance(attention_mask, BlockMask):
+            output = _flex_attention(query, keys, values, attention_mask, enable_gqa)
+            return self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
         output = F.scaled_dot_product_attention(
             query,
             keys,
             values,
             attn_mask=attention_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            enable_gqa=self.num_heads != self.num_key_value_heads,
+            enable_gqa=enable_gqa,
         )
         return self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
 
@@ -249,6 +290,7 @@ class DominoDraftModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["DominoDecoderLayer"]
     _supports_sdpa = True
+    _supports_flex_attn = True  # used by the training forward's block mask
     # The loss is computed by DominoTrainer from logits; Trainer must scale it for gradient accumulation.
     accepts_loss_kwargs = False
 
@@ -319,8 +361,15 @@ class DominoDraftModel(PreTrainedModel):
             "target_model_name": getattr(target, "name_or_path", None) or None,
         }
         fields.update(overrides)
-        draft = cls(DominoConfig(**fields))
-        return draft.to(device=target.device, dtype=target.dtype)
+        # Built in the target's dtype, not cast to it: a cast would also round the RoPE frequencies (a float buffer) to
+        # bf16, while from_pretrained keeps them in fp32, so the trained and the served draft would rotate differently.
+        draft = cls._from_config(DominoConfig(**fields), dtype=target.dtype)
+        # Start the final norm at the target's, so base logits begin on the LM head's scale.
+        target_norm = getattr(getattr(target.get_decoder(), "norm", None), "weight", None)
+        if isinstance(target_norm, torch.Tensor) and target_norm.shape == draft.norm.weight.shape:
+            with torch.no_grad():
+                draft.norm.weight.copy_(target_norm)
+        return draft.to(device=target.device)
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise `ValueError` if `target` is not the model this draft was built for."""
@@ -381,6 +430,19 @@ class DominoDraftModel(PreTrainedModel):
         for layer, (context_keys, context_values) in zip(self.layers, context_keys_values):
             hidden_states = layer(hidden_states, cos, sin, context_keys, context_values, attention_mask)
         return self.norm(hidden_states)
+
+    @staticmethod
+    def _check_anchor_positions(anchor_positions: torch.Tensor, length: int) -> None:
+        # Out-of-range anchors would fail deep inside `gather` (a device-side assert on CUDA).
+        if anchor_positions.ndim != 2:
+            raise ValueError(
+                f"anchor_positions must have shape (batch_size, num_blocks), got {tuple(anchor_positions.shape)}."
+            )
+        if anchor_positions.numel() and not (0 <= int(anchor_positions.min()) and int(anchor_positions.max()) < length):
+            raise ValueError(
+                f"anchor_positions must index the sequence: values in [0, {length - 1}], got "
+                f"[{int(anchor_positions.min())}, {int(anchor_positions.max())}]."
+            )
 
     def _check_target_hidden(self, target_hidden: torch.Tensor) -> None:
         expected = len(self.config.target_layer_ids) * self.config.target_hidden_size
@@ -478,6 +540,7 @@ class DominoDraftModel(PreTrainedModel):
         of block n predicts `input_ids[:, anchor_positions[:, n] + s + 1]`.
         """
         batch_size, length = input_ids.shape
+        self._check_anchor_positions(anchor_positions, length)
         num_blocks = anchor_positions.shape[1]
         block_size = self.config.block_size
         positions = torch.arange(length, device=input_ids.device).expand(batch_size, -1)
@@ -487,7 +550,10 @@ class DominoDraftModel(PreTrainedModel):
         block_positions = anchor_positions[:, :, None] + offsets  # [B, N, K]
         block_ids = torch.full_like(block_positions, self.config.mask_token_id)
         block_ids[:, :, 0] = input_ids.gather(1, anchor_positions)
-        mask = block_attention_mask(anchor_positions, length, block_size, attention_mask)
+        if self.config._attn_implementation == "flex_attention":
+            mask = flex_block_attention_mask(anchor_positions, length, block_size, attention_mask)
+        else:
+            mask = block_attention_mask(anchor_positions, length, block_size, attention_mask)
         hidden = self.backbone(
             embed_tokens(block_ids.view(batch_size, -1)), block_positions.view(batch_size, -1), context, mask
         )
@@ -562,6 +628,14 @@ class DominoDraftModel(PreTrainedModel):
             logits_processor (*optional*): called as `logits_processor(ids, logits)` on each slot's logits, with
                 `ids` = `prefix_ids` followed by the drafts so far (transformers' `LogitsProcessorList` works).
         """
+        if anchor_ids.ndim != 1 or anchor_position_ids.shape != anchor_ids.shape:
+            # The block is built here from one anchor per row; a longer block input would silently misalign.
+            raise ValueError(
+                f"draft_block takes one anchor token per row: anchor_ids and anchor_position_ids of shape "
+                f"(batch_size,), got {tuple(anchor_ids.shape)} and {tuple(anchor_position_ids.shape)}. The block "
+                f"[anchor, MASK x {self.config.block_size - 1}] is built from the anchor; earlier tokens are context "
+                "(`target_hidden`)."
+            )
         if target_hidden is not None:
             self.extend_context(past_key_values, target_hidden, context_position_ids, context_mask)
         if past_key_values.get_seq_length() == 0:
@@ -769,6 +843,7 @@ __all__ = [
     "DominoDraftModel",
     "DominoOutput",
     "block_attention_mask",
+    "flex_block_attention_mask",
     "install_generate_hook",
     "select_token",
 ]

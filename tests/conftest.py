@@ -43,3 +43,31 @@ def tiny_draft(target, seed: int = 1, **overrides) -> DominoDraftModel:
 @pytest.fixture(params=["qwen3", "llama"])
 def family(request) -> str:
     return request.param
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A character-level tokenizer with a chat template, ids < 128 (fits the tiny targets), built offline."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    characters = sorted(set(string.printable) - set("\x0b\x0c"))
+    vocab = {token: index for index, token in enumerate(specials + characters)}
+    assert len(vocab) <= TINY_TARGET_FIELDS["vocab_size"]
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        additional_special_tokens=specials[3:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

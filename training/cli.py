@@ -1,18 +1,183 @@
-"""The `domino-spec` command."""
+"""The `domino-spec` command: generate-data, train, bench, demo.
+
+    domino-spec generate-data --target DIR --prompts FILE --output FILE
+    domino-spec train --target DIR --data FILE --output DIR --max-steps N
+
+`train` accepts every `transformers.TrainingArguments` flag (parsed with `HfArgumentParser`) and
+`--config recipe.yaml`, whose keys are the same flag names; flags on the command line win over the file.
+"""
 
 import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
+
+from ..modeling_domino import DominoDraftModel
+from .trainer import DominoTrainingArguments
+
+# The published Qwen3-8B draft has 5 layers for a 36-layer target; `train` scales this to other targets.
+PUBLISHED_DRAFT_LAYERS, PUBLISHED_TARGET_LAYERS = 5, 36
+
+
+def load_target(name_or_path: str, dtype: torch.dtype | None = None, device: str | None = None):
+    """A target model and tokenizer: a local Hugging Face folder, or an asset name of `domino_spec.assets`."""
+    from .. import assets
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # fp32 on CPU: bf16 matmuls of several tokens are much slower there.
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    if name_or_path in assets.TARGETS:
+        model, tokenizer = assets.load_target(name_or_path, dtype=dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    return model.to(device).eval(), tokenizer
+
+
+# ---------------------------------------------------------------------- generate-data
+
+
+def generate_data(argv: list[str]) -> None:
+    from .data import load_prompts, regenerate_responses
+
+    parser = argparse.ArgumentParser(
+        prog="domino-spec generate-data",
+        description="Regenerate responses to prompts with the target (resumable: rerun to continue).",
+    )
+    parser.add_argument("--target", required=True, help="target model folder or asset name")
+    parser.add_argument("--prompts", required=True, help=".jsonl (prompt/messages), ShareGPT .json, or datasets folder")
+    parser.add_argument("--output", required=True, help="output .jsonl; appended to, finished ids are skipped")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--thinking", choices=["on", "off"], default=None, help="Qwen3 chat-template thinking mode")
+    parser.add_argument("--limit", type=int, default=None, help="use the first N unique prompts")
+    parser.add_argument("--max-prompt-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    target, tokenizer = load_target(args.target)
+    prompts = load_prompts(args.prompts, limit=args.limit)
+    thinking = None if args.thinking is None else args.thinking == "on"
+    written = regenerate_responses(
+        target,
+        tokenizer,
+        prompts,
+        args.output,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        thinking=thinking,
+        max_prompt_tokens=args.max_prompt_tokens,
+        seed=args.seed,
+    )
+    print(f"{len(prompts)} unique prompts; wrote {written} new responses to {args.output}")
+
+
+# ---------------------------------------------------------------------- train
+
+
+@dataclass
+class DraftArguments:
+    """What to train: the target, the data and the draft's shape."""
+
+    target: str = field(metadata={"help": "Target model folder or asset name."})
+    data: str = field(metadata={"help": "Regenerated .jsonl from `domino-spec generate-data`."})
+    draft_layers: int | None = field(
+        default=None, metadata={"help": "Draft decoder layers (default: the published 5-for-36 ratio)."}
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per drafted block."})
+    use_domino_head: bool = field(default=True, metadata={"help": "False trains the DFlash backbone alone."})
+    gru_hidden_dim: int | None = field(default=None, metadata={"help": "GRU width (default hidden_size / 4)."})
+    emb_dim: int | None = field(default=None, metadata={"help": "Rank of the logit residual (default hidden_size / 16)."})
+    target_layer_ids: str | None = field(
+        default=None, metadata={"help": "Comma-separated target layers to tap (default evenly spaced)."}
+    )
+    init_from: str | None = field(default=None, metadata={"help": "Start from this draft folder instead of random."})
+    max_length: int = field(default=3072, metadata={"help": "Training sequence length cap."})
+
+
+def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftModel:
+    if draft_args.init_from:
+        draft = DominoDraftModel.from_pretrained(draft_args.init_from)
+        draft.check_target(target)
+        return draft
+    num_target_layers = target.config.get_text_config().num_hidden_layers
+    layers = draft_args.draft_layers or max(1, round(num_target_layers * PUBLISHED_DRAFT_LAYERS / PUBLISHED_TARGET_LAYERS))
+    overrides = {"use_domino_head": draft_args.use_domino_head}
+    if draft_args.gru_hidden_dim:
+        overrides["gru_hidden_dim"] = draft_args.gru_hidden_dim
+    if draft_args.emb_dim:
+        overrides["emb_dim"] = draft_args.emb_dim
+    if draft_args.target_layer_ids:
+        overrides["target_layer_ids"] = [int(i) for i in draft_args.target_layer_ids.split(",")]
+    draft = DominoDraftModel.from_target(
+        target, num_hidden_layers=layers, block_size=draft_args.block_size, tokenizer=tokenizer, **overrides
+    )
+    return draft.float()  # master weights in fp32; --bf16 trains under autocast
+
+
+def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTrainingArguments]:
+    parser = HfArgumentParser((DraftArguments, DominoTrainingArguments))
+    parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags win")
+    parser.add_argument("--output", dest="output_dir", default=argparse.SUPPRESS, help="alias of --output_dir")
+    # Without a GPU, train on the CPU explicitly: multi-process CPU runs (accelerate launch --cpu) need it.
+    parser.set_defaults(use_cpu=not torch.cuda.is_available())
+    known, _ = parser.parse_known_args(argv)
+    if known.config:
+        with open(known.config, encoding="utf-8") as file:
+            parser.set_defaults(**(yaml.safe_load(file) or {}))
+    draft_args, training_args, _ = parser.parse_args_into_dataclasses(args=argv)
+    return draft_args, training_args
+
+
+def train(argv: list[str]) -> None:
+    from .collator import DominoDataCollator
+    from .data import load_training_dataset, summarize
+    from .trainer import DominoTrainer
+
+    draft_args, training_args = parse_train_arguments(argv)
+    set_seed(training_args.seed)
+    target, tokenizer = load_target(draft_args.target, dtype=torch.float32 if not torch.cuda.is_available() else None)
+    dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
+    print(json.dumps({"data": summarize(dataset)}, indent=2))
+    draft = build_draft(draft_args, target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = DominoTrainer(
+        model=draft,
+        target=target,
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=DominoDataCollator(pad_token_id=pad_id, num_anchors=training_args.num_anchors),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    print(f"saved the draft to {training_args.output_dir}")
+
+
+# ---------------------------------------------------------------------- entry point
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="domino-spec", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="stream a chat answer with the shipped draft")
-    demo.add_argument("--tiny", action="store_true", help="random tiny models, no assets needed")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from ..generation.demo import run_tiny_demo
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"generate-data": generate_data, "train": train, "demo": demo}
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        print(f"commands: {', '.join(commands)}")
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    commands[argv[0]](argv[1:])
 
-        run_tiny_demo()
+
+def demo(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="domino-spec demo", description="Speculative decoding with the shipped draft.")
+    parser.add_argument("--tiny", action="store_true", help="random tiny models, no assets needed")
+    args = parser.parse_args(argv)
+    from ..generation.demo import run_tiny_demo
+
+    run_tiny_demo()
 
 
 if __name__ == "__main__":

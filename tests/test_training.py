@@ -1,0 +1,337 @@
+"""Training: data pipeline, loss and curriculum, DominoTrainer, the CLI, and a 2-process accelerate run."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target, tiny_tokenizer
+
+from domino_spec.training.cli import parse_train_arguments
+from domino_spec.training.collator import DominoDataCollator, sample_anchors
+from domino_spec.training.data import load_prompts, load_training_dataset, summarize
+from domino_spec.training.loss import (
+    IGNORE_INDEX,
+    acceptance_length,
+    block_labels,
+    curriculum_lambda,
+    domino_loss,
+)
+from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
+
+DOMINO_SPEC = shutil.which("domino-spec")
+
+
+# ---------------------------------------------------------------------- loss and curriculum
+
+
+def test_curriculum_lambda_schedule():
+    assert curriculum_lambda(0, 100) == 1.0
+    assert curriculum_lambda(25, 100) == pytest.approx(0.75)
+    assert curriculum_lambda(100, 100) == 0.0
+    assert curriculum_lambda(25, 100, lambda_start=0.8, decay_ratio=0.5) == pytest.approx(0.4)
+    assert curriculum_lambda(60, 100, decay_ratio=0.5) == 0.0
+    assert curriculum_lambda(10, 100, lambda_start=0.0) == 0.0  # the no-curriculum ablation
+
+
+def test_block_labels_and_acceptance_proxy():
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    labels = block_labels(input_ids, loss_mask, torch.tensor([[2, 4]]), num_slots=3)
+    assert labels.tolist() == [[[13, 14, 15], [15, IGNORE_INDEX, IGNORE_INDEX]]]
+    logits = torch.full((1, 2, 3, 20), -1.0)
+    for slot, token in enumerate([13, 19, 15]):  # block 0: hit, miss, hit -> accepts 1 draft
+        logits[0, 0, slot, token] = 1.0
+    logits[0, 1, 0, 15] = 1.0  # block 1: hit, then ignored slots stop the run
+    assert acceptance_length(logits, labels).item() == pytest.approx((2 + 2) / 2)
+
+
+def test_loss_interpolates_base_and_final():
+    torch.manual_seed(0)
+    labels = torch.randint(0, 7, (2, 3, 4))
+    base, final = torch.randn(2, 3, 4, 7), torch.randn(2, 3, 4, 7)
+    loss_base, metrics = domino_loss(final, base, labels, lam=1.0)
+    loss_final, _ = domino_loss(final, base, labels, lam=0.0)
+    mixed, _ = domino_loss(final, base, labels, lam=0.25)
+    assert loss_base.item() == pytest.approx(metrics["loss_base"])
+    assert mixed.item() == pytest.approx(0.25 * loss_base.item() + 0.75 * loss_final.item(), rel=1e-5)
+
+
+def test_anchors_lie_inside_the_response():
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1, 1]])
+    anchors = sample_anchors(loss_mask, num_anchors=3)
+    for row, positions in enumerate(anchors.tolist()):
+        for position in positions:
+            assert loss_mask[row, position] == 1 and loss_mask[row, position + 1] == 1
+    assert sorted(set(anchors[0].tolist())) == [3, 4, 5]  # exactly the 3 candidates, without replacement
+
+
+# ---------------------------------------------------------------------- what a block sees
+
+
+def _features(target, draft, input_ids):
+    with torch.no_grad():
+        return draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
+
+
+def _train_forward(draft, target, input_ids, target_hidden, anchors, **kwargs):
+    with torch.no_grad():
+        return draft(
+            input_ids, target_hidden, anchors, target.get_input_embeddings(), target.get_output_embeddings(), **kwargs
+        )
+
+
+def test_block_sees_only_context_before_its_anchor_and_its_own_block(family):
+    target = tiny_target(family)
+    draft = tiny_draft(target)
+    input_ids = torch.randint(0, 100, (1, 24))
+    anchors = torch.tensor([[6, 12, 15]])
+    features = _features(target, draft, input_ids)
+    reference = _train_forward(draft, target, input_ids, features, anchors)
+
+    later = features.clone()
+    later[:, 12:] += torch.randn_like(later[:, 12:])  # at and after block 1's anchor
+    changed = _train_forward(draft, target, input_ids, later, anchors)
+    torch.testing.assert_close(changed.logits[:, :2], reference.logits[:, :2])  # blocks 0 and 1 see none of it
+    assert not torch.allclose(changed.logits[:, 2], reference.logits[:, 2])  # block 2 (anchor 15) sees 12..14
+
+    other_anchor = input_ids.clone()
+    other_anchor[0, 6] = (input_ids[0, 6] + 1) % 100  # block 0's anchor token; features kept fixed
+    changed = _train_forward(draft, target, other_anchor, features, anchors)
+    assert not torch.allclose(changed.logits[:, 0], reference.logits[:, 0])
+    torch.testing.assert_close(changed.logits[:, 1:], reference.logits[:, 1:])
+
+
+def test_flex_attention_mask_matches_sdpa():
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target)
+    input_ids = torch.randint(0, 100, (2, 20))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 15:] = 0
+    anchors = torch.tensor([[3, 8, 12], [2, 5, 11]])
+    features = _features(target, draft, input_ids)
+    sdpa = _train_forward(draft, target, input_ids, features, anchors, attention_mask=attention_mask)
+    draft.config._attn_implementation = "flex_attention"
+    flex = _train_forward(draft, target, input_ids, features, anchors, attention_mask=attention_mask)
+    torch.testing.assert_close(flex.logits, sdpa.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_teacher_forcing_reads_ground_truth_and_training_time_test_reads_predictions():
+    target = tiny_target("llama")
+    draft = tiny_draft(target, pure_draft_prefix_len=1)
+    input_ids = torch.randint(0, 100, (1, 20))
+    anchors = torch.tensor([[8]])
+    features = _features(target, draft, input_ids)
+    edited = input_ids.clone()
+    edited[0, 10] = (input_ids[0, 10] + 3) % 100  # ground truth inside the block: slot 2's GRU input (anchor + 2)
+    for reads_predictions in (False, True):
+        reference = _train_forward(draft, target, input_ids, features, anchors, head_reads_predictions=reads_predictions)
+        changed = _train_forward(draft, target, edited, features, anchors, head_reads_predictions=reads_predictions)
+        torch.testing.assert_close(changed.base_logits, reference.base_logits)  # the backbone never sees it
+        torch.testing.assert_close(changed.logits[:, :, :2], reference.logits[:, :, :2])
+        if reads_predictions:
+            torch.testing.assert_close(changed.logits, reference.logits)
+        else:
+            assert not torch.allclose(changed.logits[:, :, 2:], reference.logits[:, :, 2:])
+
+
+# ---------------------------------------------------------------------- DominoTrainer
+
+
+def _random_examples(count: int, length: int, prompt_length: int, seed: int = 0) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(count):
+        input_ids = torch.randint(5, 100, (length,), generator=generator).tolist()
+        examples.append({"input_ids": input_ids, "loss_mask": [0] * prompt_length + [1] * (length - prompt_length)})
+    return examples
+
+
+def _trainer(tmp_path, target, draft, examples, num_anchors, **arguments):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        num_anchors=num_anchors,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    defaults.update(arguments)
+    return DominoTrainer(
+        model=draft,
+        target=target,
+        args=DominoTrainingArguments(**defaults),
+        train_dataset=examples,
+        data_collator=DominoDataCollator(pad_token_id=0, num_anchors=num_anchors),
+    )
+
+
+def test_tiny_draft_overfits_and_target_is_untouched(tmp_path):
+    target = tiny_target("qwen3")
+    target_before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    draft = tiny_draft(target).float()
+    examples = _random_examples(count=2, length=24, prompt_length=4)
+    trainer = _trainer(tmp_path, target, draft, examples, num_anchors=8, max_steps=100, learning_rate=3e-2)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] < 0.25 * losses[0], losses
+    assert {"loss_base", "loss_final", "lam", "acceptance_base", "acceptance_final"} <= set(trainer.state.log_history[0])
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, target_before[name]), f"target weight {name} changed"
+    assert not any(name.startswith(("model.", "lm_head")) for name in trainer.model.state_dict())
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    target = tiny_target("llama")
+    # Anchors = all candidate positions, so both runs train exactly the same blocks.
+    examples = _random_examples(count=2, length=12, prompt_length=4)
+    examples[1]["input_ids"] = examples[1]["input_ids"][:10]  # different lengths: padding and per-sequence means
+    examples[1]["loss_mask"] = examples[1]["loss_mask"][:10]
+    weights = []
+    for batch_size, accumulation in ((2, 1), (1, 2)):
+        draft = tiny_draft(target, seed=3).float()
+        examples_now = [dict(example) for example in examples]
+        trainer = _trainer(
+            tmp_path,
+            target,
+            draft,
+            examples_now,
+            num_anchors=5,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            optim="sgd",
+            max_grad_norm=0.0,
+            seed=0,
+        )
+        trainer.train()
+        weights.append({name: tensor.detach().clone() for name, tensor in draft.named_parameters()})
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- data and CLI
+
+
+def _write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as file:
+        for record in records:
+            file.write(json.dumps(record) + "\n")
+
+
+def test_prompt_sources_and_deduplication(tmp_path):
+    import datasets
+
+    _write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "prompt": "hello"},
+            {"id": "b", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"id": "c", "prompt": "hello"},  # duplicate of a
+        ],
+    )
+    prompts = load_prompts(str(tmp_path / "p.jsonl"))
+    assert [p.id for p in prompts] == ["a", "b"]
+    assert prompts[1].messages == [{"role": "user", "content": "hi"}]
+
+    sharegpt = '[{"id": "x", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"}]},'
+    sharegpt += ' {"id": "y", "conversations": [{"from": "human", "value": "q2"'  # truncated mid-record
+    (tmp_path / "s.json").write_text(sharegpt)
+    assert [(p.id, p.messages[0]["content"]) for p in load_prompts(str(tmp_path / "s.json"))] == [("x", "q1")]
+
+    datasets.Dataset.from_list([{"id": "d", "prompt": "from a folder"}]).save_to_disk(str(tmp_path / "folder"))
+    assert load_prompts(str(tmp_path / "folder"))[0].messages[0]["content"] == "from a folder"
+    with pytest.raises(ValueError, match="has no prompt"):
+        _write_jsonl(tmp_path / "bad.jsonl", [{"text": "no prompt field"}])
+        load_prompts(str(tmp_path / "bad.jsonl"))
+
+
+def test_training_dataset_masks_response_and_drops_duplicates(tmp_path):
+    record = {"id": "a", "prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}
+    _write_jsonl(tmp_path / "d.jsonl", [record, {**record, "id": "b"}, {**record, "id": "c", "response_ids": [9]}])
+    dataset = load_training_dataset(str(tmp_path / "d.jsonl"), max_length=6)
+    assert len(dataset) == 1  # the duplicate and the 1-token response are dropped
+    assert dataset[0]["input_ids"] == [1, 2, 3, 4, 5, 6]
+    assert dataset[0]["loss_mask"] == [0, 0, 0, 1, 1, 1]
+    assert summarize(dataset)["response_tokens"] == 3
+
+
+def test_train_arguments_from_yaml_and_command_line(tmp_path):
+    (tmp_path / "recipe.yaml").write_text("learning_rate: 0.001\nnum_anchors: 32\nblock_size: 8\n")
+    argv = ["--target", "t", "--data", "d.jsonl", "--output", str(tmp_path / "o"), "--config", str(tmp_path / "recipe.yaml")]
+    draft_args, training_args = parse_train_arguments(argv + ["--num_anchors", "64"])
+    assert training_args.learning_rate == 0.001 and training_args.num_anchors == 64  # the command line wins
+    assert draft_args.block_size == 8 and training_args.output_dir == str(tmp_path / "o")
+    assert training_args.lr_scheduler_type == "cosine" and training_args.lambda_start == 1.0  # recipe defaults
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target")
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = 1
+    target.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def _run(args, **kwargs):
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):
+    prompts = [{"id": f"p{i}", "prompt": f"question number {i}?"} for i in range(12)]
+    _write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    output = tmp_path / "data.jsonl"
+    command = [DOMINO_SPEC, "generate-data", "--target", tiny_target_dir, "--prompts", str(tmp_path / "prompts.jsonl")]
+    command += ["--output", str(output), "--batch-size", "1", "--max-new-tokens", "48"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not output.exists() or output.read_text().count("\n") < 3):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written_before = output.read_text().count("\n")
+    assert 3 <= written_before < len(prompts), "the kill should land mid-run"
+    with open(output, "a", encoding="utf-8") as file:
+        file.write('{"id": "p99", "respo')  # a line cut by the kill
+    result = _run(command)
+    assert result.returncode == 0, result.stderr
+    ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]
+    assert sorted(ids) == sorted(p["id"] for p in prompts)  # none lost, none twice, the cut line gone
+
+
+def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target_dir):
+    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
+    _write_jsonl(tmp_path / "data.jsonl", data)
+    output = tmp_path / "draft"
+    # accelerate spawns several local processes through torchrun only in its --multi_gpu mode; without a GPU they
+    # train on the CPU (use_cpu defaults on) over gloo.
+    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    command += ["--dynamo_backend", "no", DOMINO_SPEC, "train", "--target", tiny_target_dir]
+    command += ["--data", str(tmp_path / "data.jsonl"), "--output", str(output), "--max_steps", "3"]
+    command += ["--per_device_train_batch_size", "2", "--num_anchors", "4", "--draft_layers", "1", "--block_size", "4"]
+    command += ["--report_to", "none", "--save_steps", "3", "--ddp_backend", "gloo", "--log_level", "info"]
+    result = _run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Total train batch size (w. parallel, distributed & accumulation) = 4" in result.stdout + result.stderr
+    check = (
+        "from transformers import AutoModel;"
+        f"m = AutoModel.from_pretrained({str(output)!r}, trust_remote_code=True);"
+        "print(type(m).__name__, m.config.num_hidden_layers)"
+    )
+    loaded = _run([sys.executable, "-c", check], env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=str(tmp_path))
+    assert loaded.stdout.split() == ["DominoDraftModel", "1"], loaded.stderr
+    state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3

@@ -1,0 +1,51 @@
+"""Batches for DominoTrainer: right-padded sequences plus the anchors of the blocks to train."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`num_anchors` anchor positions `[B, N]` inside each response.
+
+    An anchor is a response token followed by a response token: at inference the first anchor is the target's
+    first response token (its prefill output), so the prompt's last token never anchors a block. Positions are
+    drawn without replacement while a response has enough of them, else with replacement (blocks may overlap).
+    """
+    batch_size, length = loss_mask.shape
+    candidates = torch.zeros_like(loss_mask, dtype=torch.bool)
+    candidates[:, :-1] = loss_mask[:, 1:].bool() & loss_mask[:, :-1].bool()
+    anchors = torch.zeros(batch_size, num_anchors, dtype=torch.long)
+    for row in range(batch_size):
+        positions = candidates[row].nonzero().flatten()
+        if positions.numel() == 0:
+            raise ValueError(f"sequence {row} has no response position to anchor a block (response too short)")
+        replace = positions.numel() < num_anchors
+        picks = torch.multinomial(torch.ones(positions.numel()), num_anchors, replacement=replace, generator=generator)
+        anchors[row] = positions[picks].sort().values
+    return anchors
+
+
+@dataclass
+class DominoDataCollator:
+    """Pads `input_ids`/`loss_mask` examples on the right and samples `num_anchors` anchors per sequence."""
+
+    pad_token_id: int
+    num_anchors: int = 256
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        length = max(len(example["input_ids"]) for example in examples)
+        input_ids = torch.full((len(examples), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+        loss_mask = torch.zeros((len(examples), length), dtype=torch.long)
+        for row, example in enumerate(examples):
+            size = len(example["input_ids"])
+            input_ids[row, :size] = torch.as_tensor(example["input_ids"])
+            attention_mask[row, :size] = 1
+            loss_mask[row, :size] = torch.as_tensor(example["loss_mask"])
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "loss_mask": loss_mask,
+            "anchor_positions": sample_anchors(loss_mask, self.num_anchors),
+        }

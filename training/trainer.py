@@ -1,0 +1,90 @@
+"""DominoTrainer: `transformers.Trainer` with a frozen target computing features online and the Domino loss."""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from .loss import block_labels, curriculum_lambda, domino_loss
+
+
+@dataclass
+class DominoTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the Domino recipe. Defaults follow the published recipe (AdamW, lr 6e-4, cosine,
+    warmup 4%, grad clip 1.0, lambda 1 -> 0 over the whole run)."""
+
+    lambda_start: float = field(default=1.0, metadata={"help": "Base-loss weight at step 0 (0 disables the curriculum)."})
+    decay_ratio: float = field(default=1.0, metadata={"help": "Fraction of the steps over which lambda falls to 0."})
+    num_anchors: int = field(default=256, metadata={"help": "Blocks trained per sequence."})
+    loss_gamma: float = field(default=7.0, metadata={"help": "Position weights exp(-k / gamma)."})
+    training_time_test: bool = field(
+        default=False, metadata={"help": "The GRU reads the draft's own predictions instead of the ground truth."}
+    )
+    learning_rate: float = field(default=6e-4, metadata={"help": "AdamW learning rate."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Learning-rate schedule."})
+    warmup_steps: float = field(default=0.04, metadata={"help": "Warmup steps, or a fraction of all steps if < 1."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Must stay False: the collator's columns are all used by compute_loss."}
+    )
+
+
+class DominoTrainer(Trainer):
+    """Trains a `DominoDraftModel` (`model`) against a frozen `target`.
+
+    The target stays outside `Trainer.model`: it is not optimised, not checkpointed and not wrapped by
+    DDP/FSDP; it is moved to the training device here. Each step computes its tapped hidden states with
+    no grad, then `loss = lam * CE(base) + (1 - lam) * CE(final)` with `lam` from `curriculum_lambda`.
+    Every checkpoint is a loadable draft folder (weights, config, model code).
+    """
+
+    def __init__(self, model: PreTrainedModel, target: PreTrainedModel, args: DominoTrainingArguments, **kwargs):
+        if args.remove_unused_columns:
+            raise ValueError("DominoTrainer needs remove_unused_columns=False (anchors and loss masks are inputs).")
+        model.check_target(target)
+        super().__init__(model=model, args=args, **kwargs)
+        self.target = target.to(self.args.device).eval().requires_grad_(False)
+        self._metric_sums: dict[str, float] = {}
+        self._metric_count = 0
+
+    def current_lambda(self) -> float:
+        return curriculum_lambda(
+            self.state.global_step, self.state.max_steps, self.args.lambda_start, self.args.decay_ratio
+        )
+
+    @torch.no_grad()
+    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The target's tapped hidden states `[B, T, n_layers * D]`; its LM head is skipped."""
+        decoder = self.target.get_decoder()
+        outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return self.accelerator.unwrap_model(self.model).fuse_target_hidden_states(outputs.hidden_states)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        target_hidden = self.target_features(inputs["input_ids"], inputs["attention_mask"])
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            target_hidden=target_hidden,
+            anchor_positions=inputs["anchor_positions"],
+            embed_tokens=self.target.get_input_embeddings(),
+            lm_head=self.target.get_output_embeddings(),
+            attention_mask=inputs["attention_mask"],
+            head_reads_predictions=self.args.training_time_test,
+        )
+        labels = block_labels(
+            inputs["input_ids"], inputs["loss_mask"], inputs["anchor_positions"], outputs.logits.shape[2]
+        )
+        loss, metrics = domino_loss(
+            outputs.logits, outputs.base_logits, labels, self.current_lambda(), self.args.loss_gamma
+        )
+        if model.training:
+            for name, value in metrics.items():
+                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
+            self._metric_count += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Adds the Domino metrics, averaged since the last log, to the training logs."""
+        if self._metric_count and "loss" in logs:
+            logs.update({name: round(total / self._metric_count, 4) for name, total in self._metric_sums.items()})
+            self._metric_sums, self._metric_count = {}, 0
+        super().log(logs, *args, **kwargs)
