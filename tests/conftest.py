@@ -6,6 +6,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from domino_spec import DominoDraftModel
 
+# Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads fighting other processes
+# slow everything down by orders of magnitude.
+torch.set_num_threads(1)
+
 TINY_TARGET_FIELDS = dict(
     vocab_size=128,
     hidden_size=64,

@@ -163,7 +163,7 @@ def train(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate-data": generate_data, "train": train, "demo": demo}
+    commands = {"generate-data": generate_data, "train": train, "bench": bench, "demo": demo}
     if not argv or argv[0] not in commands:
         print(__doc__)
         print(f"commands: {', '.join(commands)}")
@@ -172,12 +172,57 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def demo(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="domino-spec demo", description="Speculative decoding with the shipped draft.")
-    parser.add_argument("--tiny", action="store_true", help="random tiny models, no assets needed")
+    parser = argparse.ArgumentParser(
+        prog="domino-spec demo", description="Stream a chat answer from SmolLM2-135M with the shipped Domino draft."
+    )
+    parser.add_argument("--question", default=None, help="the user turn (default: a GSM8K-style question)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--tiny", action="store_true", help="random tiny models instead: needs no assets")
     args = parser.parse_args(argv)
-    from ..generation.demo import run_tiny_demo
+    from ..generation import demo as demos
 
-    run_tiny_demo()
+    if args.tiny:
+        demos.run_tiny_demo()
+    else:
+        demos.run_demo(question=args.question or demos.DEFAULT_QUESTION, max_new_tokens=args.max_new_tokens)
+
+
+def bench(argv: list[str]) -> None:
+    from ..generation.bench import METHODS, run_bench, write_results
+    from ..generation.eval_sets import EVAL_SETS, eval_prompts
+
+    parser = argparse.ArgumentParser(prog="domino-spec bench", description="Evaluation sets x decoding methods, greedy.")
+    parser.add_argument("--target", default="smollm2-135m", help="target model folder or asset name")
+    parser.add_argument("--domino", default=None, help="Domino draft folder (default: the shipped SmolLM2 draft)")
+    parser.add_argument("--dflash", default=None, help="DFlash-only draft folder (head off), for the dflash method")
+    parser.add_argument("--eval-sets", default=",".join(EVAL_SETS), help=f"comma-separated from {EVAL_SETS}")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {METHODS}")
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (quick runs)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--quality", action="store_true", help="also score plain and Domino outputs with evaluate")
+    parser.add_argument("--output", default="runs/bench", help="folder for bench_results.{json,md} and the figure")
+    args = parser.parse_args(argv)
+    from ..generation.demo import SHIPPED_DRAFT
+
+    target, tokenizer = load_target(args.target)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    drafts = {}
+    for name, folder in (("domino", args.domino or SHIPPED_DRAFT), ("dflash", args.dflash)):
+        if folder and any(m.startswith(name) for m in methods):
+            drafts[name] = DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+    prompts = {name: eval_prompts(name, args.limit) for name in args.eval_sets.split(",") if name}
+    report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens)
+    if args.quality:
+        from ..generation.quality import score_report
+
+        report["quality"] = score_report(report)
+    paths = write_results(report, args.output)
+    with open(paths["results.md"], encoding="utf-8") as file:
+        print(file.read())
+    print("wrote " + ", ".join(paths.values()))
 
 
 if __name__ == "__main__":

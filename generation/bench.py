@@ -1,0 +1,239 @@
+"""`domino-spec bench`: evaluation sets x decoding methods in one run, greedy, every output checked against plain.
+
+Methods:
+  plain          target.generate(do_sample=False): the baseline of every speedup and every output check
+  prompt-lookup  transformers' prompt-lookup decoding (no draft model)
+  dflash         the DFlash-only draft (head off) in the native engine
+  domino-hf      Domino through target.generate(assistant_model=draft)
+  domino         Domino in the native engine
+
+Acceptance length tau = tokens committed per target verify pass, over the passes that follow the prefill (Domino's
+prefill only yields the first token; prompt lookup drafts already at the prefill, so all its passes count). The
+native engine reports its rounds; for transformers' paths the target's forward calls are counted.
+"""
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from ..training.data import prompt_token_ids
+from .engine import speculative_generate
+
+METHODS = ("plain", "prompt-lookup", "dflash", "domino-hf", "domino")
+NATIVE_METHODS = ("dflash", "domino")
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
+
+
+@dataclass
+class MethodRun:
+    """Totals of one method on one evaluation set."""
+
+    seconds: float = 0.0
+    new_tokens: int = 0
+    verified_tokens: int = 0  # tokens committed by verify passes (tau's numerator)
+    verify_passes: int = 0
+    round_lengths: list[int] = field(default_factory=list)  # native engine: tokens committed per round
+    identical: int = 0
+    prompts: int = 0
+    texts: list[str] = field(default_factory=list)
+
+    def summary(self, plain: "MethodRun") -> dict:
+        tau = self.verified_tokens / self.verify_passes if self.verify_passes else float("nan")
+        longest = max(self.round_lengths, default=0)
+        # Per-position acceptance: the fraction of rounds that accepted at least k drafts.
+        position_rates = [sum(n > k for n in self.round_lengths) / len(self.round_lengths) for k in range(1, longest)]
+        return {
+            "prompts": self.prompts,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.new_tokens / self.seconds, 3) if self.seconds else None,
+            "speedup": round(plain.seconds / self.seconds, 3) if self.seconds else None,
+            "mean_acceptance_length": round(tau, 3),
+            "position_acceptance": [round(rate, 4) for rate in position_rates],
+            "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
+            "identical": self.identical,
+            "identical_fraction": self.identical / self.prompts if self.prompts else None,
+        }
+
+
+class ForwardCounter:
+    """Counts a model's forward calls: each is a prefill or a verify pass."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.calls = 0
+        self._handle = model.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eos: list[int], run: MethodRun) -> list[int]:
+    """Decode one prompt (batch 1) with `method`, adding its time and acceptance to `run`; returns the new tokens."""
+    if method in NATIVE_METHODS:
+        start = time.perf_counter()
+        output = speculative_generate(target, drafts[method], input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        run.seconds += time.perf_counter() - start
+        tokens = output.sequences[0, input_ids.shape[1] :].tolist()[: output.num_new_tokens[0]]
+        run.round_lengths += output.acceptance_lengths[0]
+        run.verified_tokens += sum(output.acceptance_lengths[0])
+        run.verify_passes += len(output.acceptance_lengths[0])
+        return tokens
+    extra = {
+        "plain": {},
+        "prompt-lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
+        "domino-hf": {"assistant_model": drafts.get("domino")},
+    }[method]
+    counter = ForwardCounter(target)
+    start = time.perf_counter()
+    sequences = target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        **extra,
+    )
+    run.seconds += time.perf_counter() - start
+    counter.close()
+    tokens = sequences[0, input_ids.shape[1] :].tolist()
+    prefill_counts = method != "prompt-lookup"
+    run.verify_passes += counter.calls - int(prefill_counts)
+    run.verified_tokens += len(tokens) - int(prefill_counts)
+    return tokens
+
+
+def run_bench(
+    target,
+    tokenizer,
+    drafts: dict,
+    prompts: dict[str, list[dict]],
+    methods: list[str] = METHODS,
+    max_new_tokens: int = 256,
+    thinking: bool | None = None,
+) -> dict:
+    """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`); returns what `write_results` writes."""
+    missing = [m for m in methods if (m in NATIVE_METHODS or m == "domino-hf") and drafts.get(m.split("-")[0]) is None]
+    if missing:
+        raise ValueError(f"methods {missing} need a draft: pass --domino DIR and/or --dflash DIR, or drop them")
+    if "plain" not in methods:
+        raise ValueError("the plain method is the baseline of every speedup and output check; keep it in --methods")
+    eos = _eos_ids(target, tokenizer)
+    eval_sets = list(prompts)
+    runs = {name: {method: MethodRun() for method in methods} for name in eval_sets}
+    progress = tqdm(total=sum(len(p) for p in prompts.values()) * len(methods), desc="bench", unit="decode")
+    for name, items in prompts.items():
+        for item in items:
+            input_ids = torch.tensor([prompt_token_ids(tokenizer, item["messages"], thinking)], device=target.device)
+            reference = None
+            for method in methods:  # plain first: it is the reference
+                run = runs[name][method]
+                tokens = decode(method, target, drafts, input_ids, max_new_tokens, eos, run)
+                reference = tokens if method == "plain" else reference
+                run.prompts += 1
+                run.new_tokens += len(tokens)
+                run.identical += int(tokens == reference)
+                run.texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
+                progress.update(1)
+    progress.close()
+    results = []
+    for name in eval_sets:
+        plain = runs[name]["plain"]
+        for method in methods:
+            results.append({"eval_set": name, "method": method, **runs[name][method].summary(plain)})
+    return {
+        "results": results,
+        "config": {"prompts": {n: len(p) for n, p in prompts.items()}, "max_new_tokens": max_new_tokens,
+                   "methods": list(methods), "greedy": True},
+        "machine": machine_description(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "texts": {name: {m: runs[name][m].texts for m in methods} for name in eval_sets},
+        "references": {name: [item["reference"] for item in prompts[name]] for name in eval_sets},
+    }
+
+
+def _eos_ids(target, tokenizer) -> list[int]:
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return eos or [tokenizer.eos_token_id]
+
+
+def machine_description() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(),
+    }
+
+
+# ---------------------------------------------------------------------- results
+
+
+def markdown_table(results: list[dict]) -> str:
+    lines = [
+        "| eval set | method | tau (mean acceptance) | tokens/s | speedup | identical to plain |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results:
+        identical = f"{row['identical']}/{row['prompts']}"
+        lines.append(
+            f"| {row['eval_set']} | {row['method']} | {row['mean_acceptance_length']:.2f} | "
+            f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {identical} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_acceptance(results: list[dict], path: str) -> None:
+    """Acceptance-length histogram and per-position acceptance curve per method, one row of panels per eval set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eval_sets = sorted({row["eval_set"] for row in results}, key=[r["eval_set"] for r in results].index)
+    figure, axes = plt.subplots(len(eval_sets), 2, figsize=(11, 3.4 * len(eval_sets)), squeeze=False)
+    for row_axes, name in zip(axes, eval_sets):
+        for row in (r for r in results if r["eval_set"] == name and r["acceptance_histogram"]):
+            histogram = {int(k): v for k, v in row["acceptance_histogram"].items()}
+            total = sum(histogram.values())
+            lengths = sorted(histogram)
+            row_axes[0].plot(lengths, [histogram[n] / total for n in lengths], marker="o", label=row["method"])
+            positions = range(1, len(row["position_acceptance"]) + 1)
+            row_axes[1].plot(positions, row["position_acceptance"], marker="o", label=row["method"])
+        row_axes[0].set(title=f"{name}: tokens committed per round", xlabel="acceptance length", ylabel="fraction")
+        row_axes[1].set(title=f"{name}: rounds accepting >= k drafts", xlabel="k", ylabel="fraction", ylim=(0, 1))
+        for axis in row_axes:
+            axis.grid(alpha=0.3)
+            axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_results(report: dict, output_dir: str) -> dict[str, str]:
+    """`bench_results.json`, `bench_results.md` and `bench_acceptance.png` in `output_dir`; returns their paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = {name: os.path.join(output_dir, f"bench_{name}") for name in ("results.json", "results.md", "acceptance.png")}
+    with open(paths["results.json"], "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=1)
+    header = (
+        f"Greedy, max_new_tokens={report['config']['max_new_tokens']}, prompts per set: {report['config']['prompts']}. "
+        f"Machine: {report['machine']['processor']}, {report['machine']['cpu_threads']} threads, "
+        f"{report['machine']['device']}; torch {report['versions']['torch']}, "
+        f"transformers {report['versions']['transformers']}.\n\n"
+    )
+    with open(paths["results.md"], "w", encoding="utf-8") as file:
+        file.write(header + markdown_table(report["results"]) + "\n")
+    plot_acceptance(report["results"], paths["acceptance.png"])
+    return paths
