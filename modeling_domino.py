@@ -764,6 +764,9 @@ class DominoCandidateGenerator(CandidateGenerator):
             prefix_ids=input_ids.to(device),
         )
         num_candidates = self._cut_at_stop(input_ids, draft.tokens, num_candidates)
+        if num_candidates == 0:
+            # No candidates: return no logits either, transformers' speculative sampling cannot take an empty block.
+            return input_ids, None
         tokens = draft.tokens[:, :num_candidates].to(input_ids.device)
         logits = draft.logits[:, :num_candidates].to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), logits

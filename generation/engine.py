@@ -1,0 +1,440 @@
+"""Native batched speculative decoding with a Domino draft: `speculative_generate`.
+
+Reads top to bottom like gpt-fast: prefill, then rounds of draft -> verify -> accept -> commit -> update caches.
+
+Batching: one target `DynamicCache` and one `DominoContextCache` whose slots stay aligned. Every verify pass feeds
+`[anchor, d_1..d_S]` for all rows at positions `row_length - 1 + arange(S + 1)`. A row's rejected slots become holes,
+marked 0 in a per-row slot mask that is the target's 2D `attention_mask` (positions are explicit) and the draft
+cache's mask. Only the tail invalid for every row is cropped, so batch size one never has holes. The target
+features of the verified slots enter the draft cache at the start of the next round. Finished rows leave the batch.
+
+Shapes: B batch (active rows), P prompt, C cache slots, S drafts per block, V vocabulary, F fused target features.
+"""
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
+
+from ..modeling_domino import DominoContextCache
+from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
+
+
+@dataclass
+class SpeculativeOutput:
+    """Result of `speculative_generate`.
+
+    Args:
+        sequences (`torch.LongTensor` of shape `(batch_size, prompt_length + new_tokens)`): the (left-padded) prompts
+            followed by the generated tokens; rows that stopped early are padded with `pad_token_id`, as in
+            transformers' `generate`.
+        acceptance_lengths (`list[list[int]]`): per row, the tokens committed in each round (accepted drafts + 1),
+            the prefill's first token excluded; all ones for plain decoding.
+        position_acceptance_rates (`torch.Tensor` of shape `(num_draft_tokens,)`): for draft position k (1-based,
+            k = index + 1), the fraction of rounds verifying a k-th draft (all rows) that accepted it
+            (`num_accepted >= k`); NaN where no round verified one.
+        num_new_tokens (`list[int]`): tokens generated per row.
+        prefill_time, draft_time, verify_time, total_time (`float`): seconds; verify includes acceptance.
+        num_rounds (`int`): verify passes after the prefill (batched: one pass serves every active row).
+    """
+
+    sequences: torch.LongTensor
+    acceptance_lengths: list[list[int]]
+    position_acceptance_rates: torch.Tensor
+    num_new_tokens: list[int]
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    num_rounds: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tokens committed per verify round over all rows (tau); 1.0 for plain decoding."""
+        rounds = [length for row in self.acceptance_lengths for length in row]
+        return sum(rounds) / len(rounds) if rounds else float("nan")
+
+
+@dataclass
+class _Rows:
+    """Per-row decoding state of the rows still running (index i of every tensor is the same sequence)."""
+
+    index: torch.LongTensor  # [B] original batch row
+    anchor: torch.LongTensor  # [B] last committed token, not yet in the target cache
+    length: torch.LongTensor  # [B] committed tokens, the anchor included; the anchor's position is length - 1
+    num_generated: torch.LongTensor  # [B]
+    slot_mask: torch.Tensor  # [B, C] 1 where the target cache slot holds a committed token
+    features: torch.Tensor | None  # [B, T_new, F] target features of slots not yet in the draft cache
+    feature_positions: torch.LongTensor | None  # [B, T_new]
+    feature_mask: torch.Tensor | None  # [B, T_new]
+
+    def select(self, keep: torch.LongTensor) -> "_Rows":
+        def pick(value):
+            return None if value is None else value[keep]
+
+        return _Rows(*(pick(getattr(self, name)) for name in self.__dataclass_fields__))
+
+
+class _Clock:
+    """Wall-clock seconds that wait for the accelerator, so per-phase times are honest on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _forward_argument_names(target: PreTrainedModel) -> tuple[str, bool]:
+    """The target forward's cache keyword (`cache` from transformers 5.24, `past_key_values` before) and whether it
+    takes `logits_to_keep`."""
+    # A PEFT-wrapped target (PeftModel) takes **kwargs and passes them to the wrapped model: read that one's signature.
+    model = target.get_base_model() if hasattr(target, "get_base_model") else target
+    parameters = inspect.signature(model.forward).parameters
+    cache_name = "cache" if "cache" in parameters else "past_key_values"
+    return cache_name, "logits_to_keep" in parameters
+
+
+def _token_ids(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise ValueError(f"{name}={value!r} is invalid: expected an int, a list of ints or None.")
+
+
+def _check_inputs(target, draft, input_ids, attention_mask, max_new_tokens, streamer) -> torch.Tensor:
+    """Validate the public arguments; returns the attention mask (all ones when none is given)."""
+    if target.config.is_encoder_decoder:
+        raise ValueError("speculative_generate supports decoder-only targets only.")
+    if draft is not None:
+        draft.check_target(target)
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [batch_size, length] tensor, got {tuple(input_ids.shape)}.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: expected an integer >= 1.")
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError(f"streamers take one sequence; got batch size {input_ids.shape[0]}.")
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("speculative_generate needs left padding: the last column of attention_mask must be all 1.")
+    return attention_mask.to(input_ids.device)
+
+
+@dataclass
+class _Setup:
+    """What every step of one `speculative_generate` call reads and never changes."""
+
+    target: PreTrainedModel
+    draft: object | None
+    warpers: LogitsProcessorList
+    do_sample: bool
+    generator: torch.Generator | None
+    eos: torch.LongTensor  # [E] stop tokens
+    max_new_tokens: int
+    num_drafts: int  # S, 0 for plain decoding
+    cache_name: str  # the target forward's cache keyword
+    takes_logits_to_keep: bool
+
+    def forward(self, cache, **inputs):
+        """The target's forward with its cache, returning tapped hidden states when there is a draft."""
+        return self.target(use_cache=True, output_hidden_states=self.draft is not None, **{self.cache_name: cache},
+                           **inputs)
+
+
+class _Record:
+    """The output buffer and statistics: committed tokens per row, acceptance per round, phase times."""
+
+    def __init__(self, batch_size: int, setup: _Setup, pad_token_id: int, device: torch.device):
+        width = setup.max_new_tokens + setup.num_drafts + 1  # room for a whole block past the budget
+        self.generated = torch.full((batch_size, width), pad_token_id, dtype=torch.long, device=device)
+        self.num_generated = [0] * batch_size
+        self.acceptance_lengths: list[list[int]] = [[] for _ in range(batch_size)]
+        self.accepted = torch.zeros(setup.num_drafts, dtype=torch.long)  # per draft position
+        self.verified = torch.zeros(setup.num_drafts, dtype=torch.long)
+        self.draft_time = self.verify_time = 0.0
+        self.num_rounds = 0
+
+    def commit(self, rows: _Rows, candidates: torch.Tensor, count: torch.Tensor, is_round: bool) -> None:
+        """Append each row's first `count` candidates `[B, S + 1]` after its previous tokens."""
+        steps = torch.arange(candidates.shape[1], device=candidates.device)
+        offsets = rows.num_generated[:, None] + steps  # [B, S + 1]
+        current = self.generated[rows.index[:, None], offsets]
+        self.generated[rows.index[:, None], offsets] = torch.where(steps < count[:, None], candidates, current)
+        for row, tokens in zip(rows.index.tolist(), count.tolist()):
+            self.num_generated[row] += tokens
+            if is_round:
+                self.acceptance_lengths[row].append(tokens)
+
+    def round(self, num_accepted: torch.Tensor, num_drafts: int, draft_time: float, verify_time: float) -> None:
+        drafts = torch.arange(num_drafts, device=num_accepted.device)
+        self.accepted[:num_drafts] += (num_accepted[:, None] > drafts).sum(0).cpu()
+        self.verified[:num_drafts] += num_accepted.shape[0]
+        self.draft_time += draft_time
+        self.verify_time += verify_time
+        self.num_rounds += 1
+
+    def output(self, input_ids: torch.Tensor, prefill_time: float, total_time: float) -> SpeculativeOutput:
+        return SpeculativeOutput(
+            sequences=torch.cat([input_ids, self.generated[:, : max(self.num_generated)]], dim=-1),
+            acceptance_lengths=self.acceptance_lengths,
+            position_acceptance_rates=self.accepted.double() / self.verified.double(),
+            num_new_tokens=self.num_generated,
+            prefill_time=prefill_time,
+            draft_time=self.draft_time,
+            verify_time=self.verify_time,
+            total_time=total_time,
+            num_rounds=self.num_rounds,
+        )
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: PreTrainedModel,
+    draft,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    streamer=None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    r"""
+    Lossless speculative decoding of a batch with a Domino draft, or plain decoding with `draft=None`.
+
+    Greedy: each row keeps the longest draft prefix equal to the target's argmax plus the target's token, so the
+    output is the target's own greedy decoding. Sampling: exact rejection sampling with the draft's probabilities
+    and the residual norm(max(0, p - q)), so outputs are distributed as the target's sampling with the same
+    warpers (note: `top_k=None` means no top-k, unlike transformers' generation default of 50).
+
+    Args:
+        target: a Hugging Face causal LM; draft: its `DominoDraftModel`, or `None` for plain decoding (same engine,
+            for fair timing).
+        input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): left-padded prompts.
+        attention_mask (*optional*): 0 on left padding.
+        eos_token_id: stop tokens; defaults to `target.generation_config.eos_token_id`.
+        streamer: a transformers streamer (batch size 1 only); pad_token_id: fills finished rows (default: the
+            target's pad token, else the first EOS, else 0). generator: RNG for sampling.
+    """
+    attention_mask = _check_inputs(target, draft, input_ids, attention_mask, max_new_tokens, streamer)
+    setup, pad_token_id = _make_setup(target, draft, input_ids.device, max_new_tokens, do_sample, temperature, top_k,
+                                      top_p, eos_token_id, pad_token_id, generator)
+    clock = _Clock(input_ids.device)
+    start = clock()
+    record = _Record(input_ids.shape[0], setup, pad_token_id, input_ids.device)
+    cache, draft_cache = _new_target_cache(target), DominoContextCache()
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
+    finished = torch.isin(rows.anchor, setup.eos) | (rows.num_generated >= max_new_tokens)
+    rows = _drop_finished(rows, finished, cache, draft_cache)
+    prefill_time = clock() - start
+
+    while rows.index.numel() > 0:
+        budget = max_new_tokens - rows.num_generated  # [B] tokens each row may still commit, >= 1
+        num_drafts = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
+        tick = clock()
+        draft_tokens, draft_logits = _draft(setup, rows, draft_cache, num_drafts)  # [B, S], [B, S, V]
+        tock = clock()
+        outputs, verify_positions = _verify(setup, rows, draft_tokens, cache)
+        num_accepted, next_token = _accept(setup, draft_tokens, draft_logits, outputs.logits)
+        record.round(num_accepted, num_drafts, tock - tick, clock() - tock)
+
+        # commit: accepted drafts plus the target's token, cut at EOS and at the length budget
+        candidates = torch.cat([draft_tokens, next_token[:, None]], dim=-1)  # [B, S + 1]
+        candidates.scatter_(1, num_accepted[:, None], next_token[:, None])
+        count, finished = _commit_count(setup, candidates, torch.minimum(num_accepted + 1, budget), budget)
+        record.commit(rows, candidates, count, is_round=True)
+        if streamer is not None:
+            streamer.put(candidates[0, : int(count[0])].cpu())
+
+        # update: the anchor's and accepted drafts' slots hold committed tokens; the target's token is the new anchor
+        valid = torch.arange(num_drafts + 1, device=count.device)[None, :] <= num_accepted[:, None]  # [B, S + 1]
+        rows.anchor, rows.length, rows.num_generated = next_token, rows.length + count, rows.num_generated + count
+        rows.slot_mask = torch.cat([rows.slot_mask, valid.to(rows.slot_mask.dtype)], dim=-1)
+        rows.features = _masked_features(setup.draft, outputs, valid)
+        rows.feature_positions, rows.feature_mask = verify_positions, valid
+        rows = _drop_finished(rows, finished, cache, draft_cache)
+        _crop_invalid_tail(rows, cache)
+
+    if streamer is not None:
+        streamer.end()
+    return record.output(input_ids, prefill_time, clock() - start)
+
+
+def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                pad_token_id, generator) -> tuple[_Setup, int]:
+    """Resolve defaults from the target's generation config; returns the setup and the pad token."""
+    config = target.generation_config
+    eos_ids = _token_ids(eos_token_id if eos_token_id is not None else config.eos_token_id, "eos_token_id")
+    if pad_token_id is None:
+        pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    cache_name, takes_logits_to_keep = _forward_argument_names(target)
+    setup = _Setup(
+        target=target,
+        draft=draft,
+        warpers=build_logits_warpers(do_sample, temperature, top_k, top_p),
+        do_sample=do_sample,
+        generator=generator,
+        eos=torch.tensor(eos_ids, dtype=torch.long, device=device),
+        max_new_tokens=max_new_tokens,
+        num_drafts=draft.config.num_draft_tokens if draft is not None else 0,
+        cache_name=cache_name,
+        takes_logits_to_keep=takes_logits_to_keep,
+    )
+    return setup, pad_token_id
+
+
+def _new_target_cache(target: PreTrainedModel) -> DynamicCache:
+    cache = DynamicCache(config=target.config)
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()  # sliding-window layers can then be cropped back after a verify pass
+    return cache
+
+
+def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, streamer) -> _Rows:
+    """Fill the target cache with the prompts and pick the first token as plain decoding would; the prompts'
+    features wait in the returned state for the first draft."""
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as transformers
+    outputs = setup.forward(cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            **({"logits_to_keep": 1} if setup.takes_logits_to_keep else {}))
+    logits = process_logits(setup.warpers, outputs.logits[:, -1])  # [B, V]
+    first = sample(logits.softmax(-1), setup.generator) if setup.do_sample else logits.argmax(-1)
+    batch_size = input_ids.shape[0]
+    rows = _Rows(
+        index=torch.arange(batch_size, device=input_ids.device),
+        anchor=first,
+        length=attention_mask.long().sum(-1) + 1,
+        num_generated=torch.zeros(batch_size, dtype=torch.long, device=input_ids.device),
+        slot_mask=attention_mask,
+        features=_masked_features(setup.draft, outputs, attention_mask),
+        feature_positions=positions,
+        feature_mask=attention_mask,
+    )
+    record.commit(rows, first[:, None], torch.ones_like(first), is_round=False)
+    rows.num_generated = rows.num_generated + 1
+    if streamer is not None:
+        streamer.put(first.cpu())
+    return rows
+
+
+def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_drafts: int):
+    """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts).
+
+    The features of the slots verified last round enter the draft cache first, so both caches stay aligned.
+    """
+    draft = setup.draft
+    if draft is None:
+        return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
+    if num_drafts == 0:  # every row has one token left: only keep the draft cache aligned
+        draft.extend_context(draft_cache, rows.features, rows.feature_positions, rows.feature_mask)
+        rows.features = rows.feature_positions = rows.feature_mask = None
+        return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
+    block = draft.draft_block(
+        anchor_ids=rows.anchor,
+        anchor_position_ids=rows.length - 1,
+        past_key_values=draft_cache,
+        embed_tokens=setup.target.get_input_embeddings(),
+        lm_head=setup.target.get_output_embeddings(),
+        target_hidden=rows.features,
+        context_position_ids=rows.feature_positions,
+        context_mask=rows.feature_mask,
+        do_sample=setup.do_sample,
+        logits_processor=setup.warpers if len(setup.warpers) > 0 else None,
+        generator=setup.generator,
+    )
+    rows.features = rows.feature_positions = rows.feature_mask = None
+    return block.tokens[:, :num_drafts], block.logits[:, :num_drafts]
+
+
+def _verify(setup: _Setup, rows: _Rows, draft_tokens: torch.Tensor, cache):
+    """The target reads `[anchor, d_1..d_S]` of every row after its committed slots (holes masked)."""
+    verify_ids = torch.cat([rows.anchor[:, None], draft_tokens], dim=-1)  # [B, S + 1]
+    positions = (rows.length - 1)[:, None] + torch.arange(verify_ids.shape[1], device=verify_ids.device)
+    attention_mask = torch.cat([rows.slot_mask, torch.ones_like(verify_ids)], dim=-1)  # [B, C + S + 1]
+    outputs = setup.forward(cache, input_ids=verify_ids, attention_mask=attention_mask, position_ids=positions)
+    return outputs, positions
+
+
+def _accept(setup: _Setup, draft_tokens, draft_logits, target_logits) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(num_accepted [B], next_token [B])`: greedy matching, or exact rejection sampling on processed logits."""
+    target_logits = process_logits(setup.warpers, target_logits)  # [B, S + 1, V]
+    if not setup.do_sample:
+        return greedy_accept(draft_tokens, target_logits)
+    # q: the distributions the drafts were drawn from (none in plain decoding)
+    draft_probs = target_logits[:, :0] if draft_logits is None else draft_logits.float().softmax(-1)  # [B, S, V]
+    return rejection_sample(draft_tokens, draft_probs, target_logits.softmax(-1), setup.generator)
+
+
+def _commit_count(setup: _Setup, candidates, count, budget) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each row's `count` committed candidates `[B, S + 1]` after its first EOS; returns the count and whether
+    the row is finished (EOS committed or budget used)."""
+    within = torch.arange(candidates.shape[1], device=candidates.device)[None, :] < count[:, None]
+    is_eos = torch.isin(candidates, setup.eos) & within  # [B, S + 1]
+    has_eos = is_eos.any(-1)
+    count = torch.where(has_eos, is_eos.long().argmax(-1) + 1, count)
+    return count, has_eos | (count >= budget)
+
+
+def _masked_features(draft, outputs, mask: torch.Tensor) -> torch.Tensor | None:
+    """Fused target features `[B, T, F]` of a forward's tokens, zero on slots that hold no committed token.
+
+    Zeroing keeps padding and rejected slots finite in the draft cache (they are masked there, but a NaN value
+    would still poison attention through 0 * NaN).
+    """
+    if draft is None:
+        return None
+    features = draft.fuse_target_hidden_states(outputs.hidden_states)
+    features = features[:, -mask.shape[1] :]
+    return features * mask[..., None].to(features.dtype)
+
+
+def _drop_finished(rows: _Rows, finished: torch.Tensor, cache, draft_cache: DominoContextCache) -> _Rows:
+    """Remove finished rows from the state and both caches."""
+    if not bool(finished.any()):
+        return rows
+    keep = (~finished).nonzero().squeeze(1)
+    if keep.numel() > 0:
+        cache.batch_select_indices(keep)
+        if draft_cache.get_seq_length() > 0:
+            draft_cache.select_rows(keep)
+    return rows.select(keep)
+
+
+def _crop_invalid_tail(rows: _Rows, cache) -> None:
+    """Crop the last slots that hold no committed token in any row, from the target cache, the slot mask and the
+    pending features (the draft cache receives only the kept part at the next round)."""
+    if rows.index.numel() == 0:
+        return
+    invalid_everywhere = ~rows.slot_mask.bool().any(0)  # [C]
+    num_invalid = int(invalid_everywhere.flip(0).long().cumprod(0).sum())  # trailing slots invalid in every row
+    if rows.features is not None:
+        num_invalid = min(num_invalid, rows.features.shape[1])
+    if num_invalid == 0:
+        return
+    cache.crop(-num_invalid)
+    rows.slot_mask = rows.slot_mask[:, :-num_invalid]
+    if rows.features is not None:
+        keep = rows.features.shape[1] - num_invalid
+        rows.features = rows.features[:, :keep]
+        rows.feature_positions = rows.feature_positions[:, :keep]
+        rows.feature_mask = rows.feature_mask[:, :keep]
+
+
+__all__ = ["SpeculativeOutput", "speculative_generate"]

@@ -1,0 +1,32 @@
+"""`benchmarks/decode.py` runs end to end at tiny shapes in a few seconds and writes its JSON and Markdown."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("domino_decode_benchmark", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_benchmark_smoke(tmp_path, capsys):
+    benchmark = load_benchmark()
+    report = benchmark.main([
+        "--target", "tiny-qwen3", "--num-prompts", "2", "--prompt-length", "6", "--max-new-tokens", "10",
+        "--block-size", "4", "--warmup", "0", "--output-dir", str(tmp_path), "--output-name", "smoke",
+    ])
+    methods = [row["method"] for row in report["results"]]
+    assert methods == ["plain", "hf-plain", "hf-domino", "native-domino"]
+    for row in report["results"]:
+        assert row["new_tokens"] == 20 and row["tokens_per_second"] > 0 and row["mean_acceptance_length"] >= 1.0
+        assert row["matches_plain"] in (None, True), row  # greedy decoding is lossless on every path
+    assert report["environment"]["torch"] and report["environment"]["transformers"]
+    saved = json.loads((tmp_path / "smoke.json").read_text())
+    assert saved["results"] == report["results"]
+    assert "| native-domino |" in (tmp_path / "smoke.md").read_text()
+    assert "| hf-domino |" in capsys.readouterr().out

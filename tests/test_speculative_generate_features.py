@@ -1,0 +1,152 @@
+"""`target.generate(assistant_model=draft)` features (stop strings, streamers, return_dict_in_generate), the
+generate hook, and the clear errors of both decoding paths."""
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import left_pad, make_peaked, random_prompts
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as tokenizer_models
+from transformers import GenerationMixin, PreTrainedTokenizerFast
+from transformers.generation.streamers import BaseStreamer
+
+from domino_spec.generation import speculative_generate
+from domino_spec.modeling_domino import install_generate_hook
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target("qwen3")
+    return target, tiny_draft(target)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """Offline word-level tokenizer over the tiny vocabulary: token i reads `w{i:03d}`, decoded without spaces.
+
+    Token 127 is `abcdef`, the probe string transformers' StopStringCriteria tokenizes to learn token texts.
+    """
+    vocab = {f"w{i:03d}": i for i in range(127)}
+    vocab["abcdef"] = 127
+    backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="w000"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w000")
+
+
+class CollectingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+# ---------------------------------------------------------------------------------------------- HF path features
+
+
+def test_stop_strings_inside_blocks(models, tokenizer):
+    target, draft = models
+    for index, prompt in enumerate(random_prompts(10, seed=21)):
+        continuation = target.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1] :].tolist()
+        k = 3 + index % 4
+        # A stop string spanning two tokens: the end of token k's text and the start of token k + 1's.
+        stop = f"w{continuation[k]:03d}"[2:] + f"w{continuation[k + 1]:03d}"[:2]
+        kwargs = dict(max_new_tokens=16, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+        reference = target.generate(prompt, **kwargs)
+        assert reference.shape[1] < prompt.shape[1] + 16, "the stop string should end generation early"
+        assert torch.equal(target.generate(prompt, assistant_model=draft, **kwargs), reference)
+
+
+def test_stop_string_completed_by_the_first_draft_while_sampling(tokenizer):
+    """Regression: a stop string completed by the first draft leaves no candidates; sampling must not crash."""
+    target = make_peaked(tiny_target("qwen3", seed=3))
+    draft = tiny_draft(target)
+    prompt = torch.tensor([[5, 60, 21, 99, 14, 33, 8, 71]])
+    stopped = 0
+    for seed in range(12):
+        torch.manual_seed(seed)
+        output = target.generate(prompt, max_new_tokens=12, do_sample=True, stop_strings=["w017"], tokenizer=tokenizer,
+                                 assistant_model=draft)
+        generated = output[0, prompt.shape[1] :].tolist()
+        assert 17 not in generated[:-1], generated
+        stopped += generated[-1] == 17
+    assert stopped > 0
+
+
+def test_streamer_and_return_dict(models):
+    target, draft = models
+    prompt = random_prompts(1, seed=5)[0]
+    reference = target.generate(prompt, max_new_tokens=15, do_sample=False, return_dict_in_generate=True,
+                                output_scores=True)
+    streamer = CollectingStreamer()
+    output = target.generate(prompt, max_new_tokens=15, do_sample=False, assistant_model=draft, streamer=streamer,
+                             return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(output.sequences, reference.sequences)
+    assert len(output.scores) == len(reference.scores) == 15
+    for got, expected in zip(output.scores, reference.scores):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert streamer.ended and sum(streamer.chunks, []) == output.sequences[0].tolist()
+
+
+def test_generate_hook_is_idempotent_and_keeps_other_assistants(models):
+    target, _ = models
+    hooked = GenerationMixin._get_candidate_generator
+    assert getattr(hooked, "_domino_hook", False)
+    assert install_generate_hook() and GenerationMixin._get_candidate_generator is hooked
+    assert not getattr(hooked.__wrapped__, "_domino_hook", False), "the hook must wrap transformers' method once"
+    # An ordinary assistant (no get_candidate_generator) still takes transformers' own assisted decoding.
+    assistant = tiny_target("qwen3", seed=9, num_hidden_layers=2)
+    prompt = random_prompts(1, seed=6)[0]
+    reference = target.generate(prompt, max_new_tokens=10, do_sample=False)
+    output = target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=assistant)
+    assert torch.equal(output, reference)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_hf_path_errors(models):
+    target, draft = models
+    prompt = random_prompts(1, seed=8)[0]
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        target.generate(prompt, max_new_tokens=5, assistant_model=draft, cache_implementation="static")
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        target.generate(prompt, max_new_tokens=5, do_sample=True, num_return_sequences=2, assistant_model=draft)
+    with pytest.raises(ValueError, match="speculative_generate"):
+        input_ids, attention_mask = left_pad(random_prompts(2, seed=9))
+        target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, assistant_model=draft)
+    other = tiny_target("qwen3", num_hidden_layers=4)
+    with pytest.raises(ValueError, match="built for"):
+        other.generate(prompt, max_new_tokens=5, assistant_model=draft)
+
+
+def test_native_errors(models):
+    target, draft = models
+    prompt = random_prompts(1, seed=8)[0]
+    with pytest.raises(ValueError, match="built for"):
+        speculative_generate(tiny_target("llama", hidden_size=32, num_attention_heads=2), draft, prompt)
+    with pytest.raises(ValueError, match="left padding"):
+        speculative_generate(target, draft, torch.ones(2, 4, dtype=torch.long), torch.tensor([[1, 1, 1, 0]] * 2))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, draft, prompt, max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate(target, draft, prompt, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="streamer"):
+        speculative_generate(target, draft, prompt.expand(2, -1), streamer=CollectingStreamer())
+
+
+def test_native_streamer_and_statistics(models):
+    target, draft = models
+    prompt = random_prompts(1, seed=10)[0]
+    streamer = CollectingStreamer()
+    output = speculative_generate(target, draft, prompt, max_new_tokens=20, streamer=streamer)
+    assert streamer.ended and sum(streamer.chunks, []) == output.sequences[0].tolist()
+    assert output.num_new_tokens == [20] and sum(output.acceptance_lengths[0]) == 19
+    assert output.mean_acceptance_length >= 1.0 and output.num_rounds == len(output.acceptance_lengths[0])
+    assert output.position_acceptance_rates.shape == (draft.config.num_draft_tokens,)
+    assert output.draft_time > 0 and output.verify_time > 0 and output.total_time >= output.draft_time

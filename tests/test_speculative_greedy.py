@@ -1,0 +1,172 @@
+"""Greedy speculative decoding is lossless: token for token equal to `target.generate(do_sample=False)`.
+
+50 random prompts per target family (tiny Qwen3 and Llama), with a random draft (the real model: low acceptance)
+and an oracle draft (the target's own greedy continuation: full-block acceptance), EOS and length limits landing
+inside blocks, through `target.generate(assistant_model=draft)` (draft loaded with AutoModel, trust_remote_code)
+and through the native engine, alone and in padded batches.
+
+Floating point: verification computes the target's logits on 1 + S tokens at once, which can differ from one-token
+decoding in the last bits and flip an argmax on a near tie. Every test runs in float64, where such ties cannot
+decide the comparison, and in float32, where none occurs on these prompts (a float32-only failure that float64
+passes would point at a near tie, not at a bug).
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import OracleDraft, left_pad, random_prompts
+from transformers import AutoModel
+
+from domino_spec.generation import speculative_generate
+
+NUM_PROMPTS = 50
+
+
+@dataclass
+class Case:
+    prompt: torch.Tensor  # [1, P]
+    max_new_tokens: int
+    eos_token_id: int | None  # None: the target's default (Llama's generation config has one, Qwen3's none)
+    reference: torch.Tensor  # target.generate(prompt, do_sample=False, ...): [1, P + new]
+    greedy_sequence: list[int]  # prompt and a greedy continuation past the stop, for the oracle
+
+
+@dataclass
+class Setup:
+    family: str
+    target: torch.nn.Module
+    draft: torch.nn.Module  # the real random draft
+    loaded_draft: torch.nn.Module  # the same, saved and loaded via AutoModel(trust_remote_code=True)
+    oracle: OracleDraft
+    cases: list[Case]
+
+
+def _build_cases(target, num_drafts: int, seed: int) -> list[Case]:
+    cases = []
+    for index, prompt in enumerate(random_prompts(NUM_PROMPTS, seed=seed)):
+        max_new_tokens = 9 + index % 8  # length limits at every offset inside a block of S + 1 = 5
+        greedy = target.generate(prompt, max_new_tokens=max_new_tokens + num_drafts + 1, do_sample=False)
+        generated = greedy[0, prompt.shape[1] :].tolist()
+        # Every other prompt stops at a token a few positions into its continuation (EOS inside a block).
+        eos_token_id = generated[2 + index % 5] if index % 2 == 0 and len(generated) > 7 else None
+        reference = target.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=False)
+        cases.append(Case(prompt, max_new_tokens, eos_token_id, reference, greedy[0].tolist()))
+    return cases
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3", torch.float64), ("llama", torch.float64), ("qwen3", torch.float32), ("llama", torch.float32)],
+    ids=lambda param: f"{param[0]}-{str(param[1]).removeprefix('torch.')}",
+)
+def setup(request, tmp_path_factory) -> Setup:
+    family, dtype = request.param
+    target = tiny_target(family, dtype=dtype)
+    draft = tiny_draft(target)
+    folder = tmp_path_factory.mktemp(f"draft-{family}")
+    draft.save_pretrained(folder)
+    loaded_draft = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=dtype).eval()
+    assert loaded_draft.dtype == dtype
+    assert type(loaded_draft).__module__.startswith("transformers_modules"), "expected the remote-code class"
+    torch.manual_seed(2)
+    oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                     gru_hidden_dim=8, emb_dim=8).eval()
+    cases = _build_cases(target, draft.config.num_draft_tokens, seed=100 + len(family))
+    assert sum(case.eos_token_id is not None for case in cases) >= NUM_PROMPTS // 3
+    return Setup(family, target, draft, loaded_draft, oracle, cases)
+
+
+def _count_target_forwards(target):
+    calls = []
+    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls, handle
+
+
+def _assert_equal(case: Case, output: torch.Tensor, label: str) -> None:
+    assert torch.equal(output, case.reference), (
+        f"{label}: speculative output differs from target.generate (max_new_tokens={case.max_new_tokens}, "
+        f"eos_token_id={case.eos_token_id})\nexpected {case.reference.tolist()}\ngot      {output.tolist()}"
+    )
+
+
+def test_hf_path_random_draft(setup):
+    for case in setup.cases:
+        output = setup.target.generate(case.prompt, max_new_tokens=case.max_new_tokens, eos_token_id=case.eos_token_id,
+                                       do_sample=False, assistant_model=setup.loaded_draft)
+        _assert_equal(case, output, f"{setup.family} HF path, random draft")
+
+
+def test_hf_path_oracle_draft_accepts_full_blocks(setup):
+    block = setup.oracle.config.num_draft_tokens + 1
+    for case in setup.cases:
+        setup.oracle.set_sequences([case.greedy_sequence])
+        calls, handle = _count_target_forwards(setup.target)
+        try:
+            output = setup.target.generate(case.prompt, max_new_tokens=case.max_new_tokens, do_sample=False,
+                                           eos_token_id=case.eos_token_id, assistant_model=setup.oracle)
+        finally:
+            handle.remove()
+        _assert_equal(case, output, f"{setup.family} HF path, oracle draft")
+        num_new = output.shape[1] - case.prompt.shape[1]
+        # Prefill (one token), then full blocks of S + 1 tokens; only the last round may be cut by EOS or length.
+        assert len(calls) == 1 + -(-(num_new - 1) // block), f"{len(calls)} target passes for {num_new} tokens"
+
+
+def test_native_random_draft(setup):
+    for case in setup.cases:
+        output = speculative_generate(setup.target, setup.draft, case.prompt, max_new_tokens=case.max_new_tokens,
+                                      eos_token_id=case.eos_token_id)
+        _assert_equal(case, output.sequences, f"{setup.family} native, random draft")
+        num_new = output.sequences.shape[1] - case.prompt.shape[1]
+        assert sum(output.acceptance_lengths[0]) + 1 == output.num_new_tokens[0] == num_new
+
+
+def test_native_oracle_draft_accepts_full_blocks(setup):
+    block = setup.oracle.config.num_draft_tokens + 1
+    for case in setup.cases:
+        setup.oracle.set_sequences([case.greedy_sequence])
+        output = speculative_generate(setup.target, setup.oracle, case.prompt, max_new_tokens=case.max_new_tokens,
+                                      eos_token_id=case.eos_token_id)
+        _assert_equal(case, output.sequences, f"{setup.family} native, oracle draft")
+        lengths = output.acceptance_lengths[0]
+        # Every round commits a full block, but the last one may be cut by EOS or the length limit.
+        assert all(length == block for length in lengths[:-1]), lengths
+
+
+def test_native_plain_decoding(setup):
+    for case in setup.cases[:10]:
+        output = speculative_generate(setup.target, None, case.prompt, max_new_tokens=case.max_new_tokens,
+                                      eos_token_id=case.eos_token_id)
+        _assert_equal(case, output.sequences, f"{setup.family} native plain decoding")
+        assert set(output.acceptance_lengths[0]) <= {1}
+
+
+@pytest.mark.parametrize("which", ["random", "oracle"])
+def test_native_batch_rows_equal_prompts_decoded_alone(setup, which):
+    """Left padding, rows accepting different counts and finishing at different times."""
+    cases = setup.cases[:12]
+    max_new_tokens = 14
+    eos_token_id = cases[0].greedy_sequence[cases[0].prompt.shape[1] + 3]  # some rows stop early on it
+    alone = [setup.target.generate(case.prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                   do_sample=False) for case in cases]
+    draft = setup.draft if which == "random" else setup.oracle
+    setup.oracle.set_sequences([case.greedy_sequence for case in cases])
+    pad_token_id = 127
+    input_ids, attention_mask = left_pad([case.prompt for case in cases], pad_token_id)
+    output = speculative_generate(setup.target, draft, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    width = input_ids.shape[1]
+    finish_lengths = set()
+    for row, (case, reference) in enumerate(zip(cases, alone)):
+        num_new = reference.shape[1] - case.prompt.shape[1]
+        got = torch.cat([case.prompt[0], output.sequences[row, width : width + num_new]])
+        assert torch.equal(got, reference[0]), f"row {row}: {got.tolist()} != {reference[0].tolist()}"
+        assert output.num_new_tokens[row] == num_new
+        assert (output.sequences[row, width + num_new :] == pad_token_id).all()
+        finish_lengths.add(num_new)
+    assert len(finish_lengths) > 1, "the batch should have rows finishing at different times"
+    if which == "random":
+        assert len({tuple(lengths) for lengths in output.acceptance_lengths}) > 1
+

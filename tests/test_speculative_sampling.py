@@ -1,0 +1,109 @@
+"""Speculative sampling is exact: the first generated tokens are distributed as the target's own sampling.
+
+Setup with statistical power: the tiny Qwen3 target's LM head is peaked on five tokens (`make_peaked`); the real
+random draft shares that head, so its proposals fall on the same tokens with different probabilities and are
+accepted about half the time. The exact joint distribution of the first three generated tokens is enumerated with
+transformers' own logits processors, and samples from each decoding path are compared with Pearson's chi-square
+test at alpha = 1e-4 (outcomes expected fewer than 5 times pooled). The same test applied to the target's own
+`generate(do_sample=True)` checks the reference. A sampler that skipped the residual distribution or accepted every
+draft fails by a wide margin (the statistic is tens to hundreds of times the bound).
+"""
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import chi_square_test, exact_joint_distribution, make_peaked
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from domino_spec.generation import speculative_generate
+
+NUM_TOKENS = 3  # the joint of the first three tokens: the prefill's token and the first round's two drafts
+NUM_NATIVE_SAMPLES = 4000  # one batched call: every row is one seed's run
+NUM_HF_SAMPLES = 800  # one generate call per seed
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = make_peaked(tiny_target("qwen3", seed=3), scale=5.0)
+    draft = tiny_draft(target)
+    prompt = torch.tensor([[5, 60, 21, 99, 14, 33, 8, 71]])
+    return target, draft, prompt
+
+
+def _first_tokens(sequences: torch.Tensor, prompt_length: int) -> list[tuple[int, ...]]:
+    return [tuple(row) for row in sequences[:, prompt_length : prompt_length + NUM_TOKENS].tolist()]
+
+
+NATIVE_SETTINGS = {
+    "plain-softmax": (dict(), LogitsProcessorList()),
+    "temperature-top_k-top_p": (
+        dict(temperature=0.7, top_k=3, top_p=0.9),
+        LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(3), TopPLogitsWarper(0.9)]),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NATIVE_SETTINGS))
+def test_native_sampling_matches_target_distribution(models, name):
+    target, draft, prompt = models
+    settings, processors = NATIVE_SETTINGS[name]
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors)
+    batch = prompt.expand(NUM_NATIVE_SAMPLES, -1)
+    # max_new_tokens = NUM_TOKENS + 1 so that the first round verifies two drafts (then the budget ends it)
+    output = speculative_generate(target, draft, batch, max_new_tokens=NUM_TOKENS + 1, do_sample=True,
+                                  generator=torch.Generator().manual_seed(0), **settings)
+    # The draft must be neither always rejected nor always accepted for the test to mean something.
+    rates = output.position_acceptance_rates
+    assert 0.15 < float(rates[0]) < 0.95 and 0.05 < float(rates[1]) < 0.95, rates
+    statistic, bound = chi_square_test(_first_tokens(output.sequences, prompt.shape[1]), exact)
+    assert statistic < bound, f"native speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_target_own_sampling_matches_reference(models):
+    """Control: the enumerated reference is the target's own sampling distribution."""
+    target, _, prompt = models
+    torch.manual_seed(0)
+    sequences = target.generate(prompt.expand(NUM_NATIVE_SAMPLES, -1), max_new_tokens=NUM_TOKENS, do_sample=True,
+                                temperature=0.7, top_k=3, top_p=0.9)
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, NATIVE_SETTINGS["temperature-top_k-top_p"][1])
+    statistic, bound = chi_square_test(_first_tokens(sequences, prompt.shape[1]), exact)
+    assert statistic < bound, f"target.generate sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_hf_path_sampling_matches_target_distribution(models):
+    """Through generate(assistant_model=draft), with an id-dependent processor (repetition penalty) as well."""
+    target, draft, prompt = models
+    processors = LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(1.5),
+            TemperatureLogitsWarper(0.8),
+            TopKLogitsWarper(4),
+            TopPLogitsWarper(0.95),
+        ]
+    )
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors)
+    samples = []
+    for seed in range(NUM_HF_SAMPLES):
+        torch.manual_seed(seed)
+        # max_new_tokens = NUM_TOKENS + 1 so that the first round verifies two drafts
+        sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS + 1, do_sample=True, temperature=0.8, top_k=4,
+                                    top_p=0.95, repetition_penalty=1.5, assistant_model=draft)
+        samples += _first_tokens(sequences, prompt.shape[1])
+    statistic, bound = chi_square_test(samples, exact)
+    assert statistic < bound, f"HF-path speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_native_sampling_is_reproducible_with_a_generator(models):
+    target, draft, prompt = models
+    runs = [
+        speculative_generate(target, draft, prompt.expand(4, -1), max_new_tokens=10, do_sample=True, top_k=4,
+                             generator=torch.Generator().manual_seed(11)).sequences
+        for _ in range(2)
+    ]
+    assert torch.equal(runs[0], runs[1])
