@@ -11,6 +11,7 @@ import only torch and transformers. That includes the candidate generator behind
 
 import functools
 import inspect
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import ModelOutput
 
 from .configuration_domino import DominoConfig
+from .published_format import check_checkpoint_folder, load_published, published_config_path
 
 # Shapes: B batch, N blocks per sequence, K block size, S drafts per block, T context length, D hidden,
 # V vocabulary, G GRU state, R rank of the logit residual, Hq/Hkv attention heads, Dh head dim.
@@ -319,6 +321,23 @@ class DominoDraftModel(PreTrainedModel):
                 init.uniform_(weight, -bound, bound)
 
     # ------------------------------------------------------------------ building and checking
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "DominoDraftModel":
+        """`PreTrainedModel.from_pretrained`, which also reads published Domino and z-lab DFlash checkpoints.
+
+        Such a folder (`model_type: "qwen3"` with a `dflash_config`) is converted by `published_format.load_published`;
+        DFlash drafts load with the head off and `shift_label=False`. A local folder is checked first, so a missing
+        `config.json` or weights file, or a truncated safetensors file, is named in the error.
+        """
+        if pretrained_model_name_or_path is None:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        path = str(pretrained_model_name_or_path)
+        if os.path.isdir(path):
+            check_checkpoint_folder(os.path.join(path, kwargs.get("subfolder") or ""))
+        if published_config_path(path, **kwargs) is not None:
+            return load_published(cls, path, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
     def from_target(

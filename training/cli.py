@@ -1,7 +1,9 @@
-"""The `domino-spec` command: generate-data, train, bench, demo.
+"""The `domino-spec` command: generate-data, train, bench, demo, export, card.
 
     domino-spec generate-data --target DIR --prompts FILE --output FILE
     domino-spec train --target DIR --data FILE --output DIR --max-steps N
+    domino-spec export --format sglang DIR OUT
+    domino-spec card DIR [--push-to-hub REPO]
 
 `train` accepts every `transformers.TrainingArguments` flag (parsed with `HfArgumentParser`) and
 `--config recipe.yaml`, whose keys are the same flag names; flags on the command line win over the file.
@@ -17,6 +19,8 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
 from ..modeling_domino import DominoDraftModel
+from .export import main as export_main
+from .model_card import main as card_main
 from .trainer import DominoTrainingArguments
 
 # The published Qwen3-8B draft has 5 layers for a 36-layer target; `train` scales this to other targets.
@@ -163,7 +167,14 @@ def train(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate-data": generate_data, "train": train, "bench": bench, "demo": demo}
+    commands = {
+        "generate-data": generate_data,
+        "train": train,
+        "bench": bench,
+        "demo": demo,
+        "export": export_main,
+        "card": card_main,
+    }
     if not argv or argv[0] not in commands:
         print(__doc__)
         print(f"commands: {', '.join(commands)}")

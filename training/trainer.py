@@ -1,11 +1,15 @@
 """DominoTrainer: `transformers.Trainer` with a frozen target computing features online and the Domino loss."""
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from .loss import block_labels, curriculum_lambda, domino_loss
+from .model_card import training_summary, write_model_card
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,3 +92,12 @@ class DominoTrainer(Trainer):
             logs.update({name: round(total / self._metric_count, 4) for name, total in self._metric_sums.items()})
             self._metric_sums, self._metric_count = {}, 0
         super().log(logs, *args, **kwargs)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's save, plus the model card (`README.md`) and `training_summary.json` of the folder."""
+        super()._save(output_dir, state_dict)
+        output_dir = output_dir or self.args.output_dir
+        try:
+            write_model_card(output_dir, training=training_summary(self.args, self.state))
+        except Exception as error:  # the weights are saved; a card problem must not stop a long run
+            logger.warning("could not write the model card into %s: %s", output_dir, error)

@@ -1,0 +1,118 @@
+"""Model cards: Hub metadata, usage, training details and the acceptance table; written on save and by `card`."""
+
+import json
+
+from conftest import tiny_draft, tiny_target
+from huggingface_hub import ModelCard
+
+from domino_spec.training import model_card
+from domino_spec.training.cli import main as cli_main
+from domino_spec.training.collator import DominoDataCollator
+from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
+
+BENCH = {
+    "results": [
+        {
+            "eval_set": "gsm-symbolic",
+            "method": "plain",
+            "mean_acceptance_length": 1.0,
+            "tokens_per_s": 50.0,
+            "speedup": 1.0,
+            "identical": 5,
+            "prompts": 5,
+        },
+        {
+            "eval_set": "gsm-symbolic",
+            "method": "domino",
+            "mean_acceptance_length": 3.25,
+            "tokens_per_s": 120.5,
+            "speedup": 2.41,
+            "identical": 5,
+            "prompts": 5,
+        },
+    ],
+    "machine": {"device": "cpu"},
+    "versions": {"transformers": "5.24.0"},
+}
+
+
+def _draft_folder(tmp_path, **overrides):
+    folder = tmp_path / "draft"
+    tiny_draft(tiny_target("qwen3"), **overrides).save_pretrained(folder)
+    return folder
+
+
+def test_card_has_metadata_usage_training_and_acceptance(tmp_path):
+    folder = _draft_folder(tmp_path, target_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    (folder / "bench_results.json").write_text(json.dumps(BENCH))
+    summary = {"global_step": 100, "learning_rate": 6e-4, "datasets": ["org/prompts"], "last_logged": {"loss": 1.5}}
+    path = model_card.write_model_card(str(folder), training=summary, repo_id="me/smollm2-domino")
+
+    card = ModelCard.load(path)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (card.data.library_name, card.data.pipeline_tag, card.data.license) == (
+        "transformers",
+        "text-generation",
+        "apache-2.0",
+    )
+    assert card.data.tags == ["speculative-decoding", "domino", "dflash"] and card.data.datasets == ["org/prompts"]
+    text = card.text
+    assert 'AutoModel.from_pretrained("me/smollm2-domino", trust_remote_code=True' in text
+    assert "assistant_model=draft" in text and "speculative_generate(target, draft" in text
+    assert "--speculative-algorithm DFLASH" in text and "--speculative-draft-model-path me/smollm2-domino" in text
+    assert "| gsm-symbolic | domino | 3.25 | 120.50 | 2.41x | 5/5 |" in text
+    assert "| global_step | 100 |" in text and "| last logged loss | 1.5 |" in text
+    assert 'draft.push_to_hub("me/smollm2-domino")' in text
+    assert json.loads((folder / "training_summary.json").read_text())["global_step"] == 100
+
+
+def test_local_target_is_not_claimed_as_base_model(tmp_path):
+    folder = _draft_folder(tmp_path, target_model_name=str(tmp_path))
+    card = model_card.build_model_card(str(folder))
+    assert card.data.base_model is None and "## Acceptance" not in card.text and "## Training" not in card.text
+
+
+def test_trainer_writes_the_card_into_its_output_folder(tmp_path):
+    target = tiny_target("qwen3")
+    target.name_or_path = "org/tiny-target"
+    draft = tiny_draft(target).float()
+    examples = [{"input_ids": list(range(5, 21)), "loss_mask": [0] * 4 + [1] * 12}] * 2
+    arguments = DominoTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        save_strategy="no",
+        report_to="none",
+        num_anchors=4,
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
+    trainer = DominoTrainer(
+        model=draft,
+        target=target,
+        args=arguments,
+        train_dataset=examples,
+        data_collator=DominoDataCollator(pad_token_id=0, num_anchors=4),
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    card = ModelCard.load(tmp_path / "final" / "README.md")
+    assert card.data.base_model == "org/tiny-target"
+    summary = json.loads((tmp_path / "final" / "training_summary.json").read_text())
+    assert summary["global_step"] == 1 and summary["num_anchors"] == 4 and "loss" in summary["last_logged"]
+
+
+def test_card_command_writes_and_pushes_through_huggingface_hub(tmp_path, monkeypatch):
+    folder = _draft_folder(tmp_path)
+    bench = tmp_path / "bench_results.json"
+    bench.write_text(json.dumps(BENCH))
+    calls = []
+    monkeypatch.setattr(model_card.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id)))
+    monkeypatch.setattr(
+        model_card.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw["repo_id"], kw["folder_path"]))
+    )
+    cli_main(["card", str(folder), "--bench", str(bench), "--push-to-hub", "me/draft", "--license", "mit"])
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.license == "mit" and "| gsm-symbolic | plain |" in card.text
+    assert calls == [("create", "me/draft"), ("upload", "me/draft", str(folder))]

@@ -1,0 +1,82 @@
+"""`domino-spec export`: write a draft in another serving stack's checkpoint format.
+
+    domino-spec export --format sglang DIR OUT
+
+`sglang` writes the published Domino layout (DESIGN.md section 2): bf16 weights under the published names and a
+`config.json` with `model_type: "qwen3"` and `dflash_config` (`projector_type: "domino"`), or the z-lab DFlash layout
+when the draft has no Domino head. SGLang serves it with `--speculative-algorithm DFLASH`. The folder also keeps our
+model files, so `AutoModel.from_pretrained(OUT, trust_remote_code=True)` and `DominoDraftModel.from_pretrained(OUT)`
+read it back.
+"""
+
+import argparse
+import os
+import shutil
+from collections.abc import Callable
+
+import torch
+
+from .. import published_format
+from ..modeling_domino import DominoDraftModel
+
+# Root-level files a published folder needs for `trust_remote_code` loading in transformers.
+MODEL_FILES = ("modeling_domino.py", "configuration_domino.py", "published_format.py")
+# Files of the source folder the model card reads; copied so `domino-spec card OUT` finds them too.
+CARD_INPUTS = ("training_summary.json", "bench_results.json")
+
+
+def sglang_problems(config) -> list[str]:
+    """Why SGLang's DFLASH loader would refuse or misread this draft (empty when it serves it as is)."""
+    problems = []
+    if config.hidden_act != "silu":
+        problems.append(f"hidden_act={config.hidden_act!r} (SGLang's DFlash MLP supports silu only)")
+    if config.use_domino_head and config.pure_draft_prefix_len != 1:
+        problems.append(f"pure_draft_prefix_len={config.pure_draft_prefix_len} (SGLang's Domino requires 1)")
+    if not config.use_domino_head and config.shift_label:
+        problems.append(
+            "no Domino head but shift_label=True: the DFlash layout has no shift_label field and SGLang reads block "
+            "position 0 as the anchor; train the head-less draft with shift_label=False, or keep the head"
+        )
+    return problems
+
+
+def export_sglang(draft_dir: str, output_dir: str) -> str:
+    """Export the draft at `draft_dir` to `output_dir` in the published layout SGLang serves; returns `output_dir`."""
+    draft = DominoDraftModel.from_pretrained(draft_dir)
+    problems = sglang_problems(draft.config)
+    if problems:
+        raise ValueError(f"{draft_dir} cannot be served by SGLang as exported: " + "; ".join(problems) + ".")
+    auto_map = {"AutoModel": "modeling_domino.DominoDraftModel"}
+    published_format.save_published(draft, output_dir, dtype=torch.bfloat16, auto_map=auto_map)
+    package_dir = os.path.dirname(os.path.abspath(published_format.__file__))
+    for name in MODEL_FILES:
+        shutil.copyfile(os.path.join(package_dir, name), os.path.join(output_dir, name))
+    for name in CARD_INPUTS:
+        source = os.path.join(draft_dir, name)
+        if os.path.isfile(source) and os.path.abspath(source) != os.path.abspath(os.path.join(output_dir, name)):
+            shutil.copyfile(source, os.path.join(output_dir, name))
+    from .model_card import write_model_card
+
+    write_model_card(output_dir)
+    return output_dir
+
+
+EXPORTERS: dict[str, Callable[[str, str], str]] = {"sglang": export_sglang}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="domino-spec export", description="Write a draft in another serving stack's checkpoint format."
+    )
+    parser.add_argument("--format", required=True, help=f"target format: {', '.join(EXPORTERS)}")
+    parser.add_argument("draft_dir", metavar="DIR", help="a draft folder (ours, or published Domino / DFlash)")
+    parser.add_argument("output_dir", metavar="OUT", help="folder to write")
+    args = parser.parse_args(argv)
+    if args.format not in EXPORTERS:
+        parser.error(f"unknown --format {args.format!r}; supported formats: {', '.join(EXPORTERS)}")
+    output_dir = EXPORTERS[args.format](args.draft_dir, args.output_dir)
+    print(f"wrote the {args.format} checkpoint to {output_dir}")
+
+
+if __name__ == "__main__":
+    main()
