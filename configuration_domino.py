@@ -83,6 +83,10 @@ class DominoConfig(PretrainedConfig):
     emb_dim: int = 256  # rank of the logit residual
     pure_draft_prefix_len: int = 1  # the first drafts use base logits only
 
+    # Inference-time options of the head loop (no effect on weights or training)
+    head_candidate_pool: int = 0  # >0: correct only the K best base tokens per slot (0 = whole vocabulary)
+    gru_input_table_max_bytes: int = 256 * 2**20  # precompute E @ W_ih^T for the vocabulary when at most this big
+
     def __post_init__(self, **kwargs):
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
@@ -152,6 +156,12 @@ class DominoConfig(PretrainedConfig):
         )
         _check(
             0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
+        )
+        _check(
+            isinstance(self.head_candidate_pool, int) and 0 <= self.head_candidate_pool <= self.vocab_size,
+            "head_candidate_pool",
+            self.head_candidate_pool,
+            f"0 (off) or a pool size in [1, {self.vocab_size}]",
         )
 
 

@@ -128,13 +128,15 @@ def select_token(logits: torch.Tensor, do_sample: bool, generator: torch.Generat
     return flat.view(probs.shape[:-1])
 
 
-def gru_step(inputs: torch.Tensor, state: torch.Tensor, weight_ih: torch.Tensor, weight_hh: torch.Tensor) -> torch.Tensor:
-    """One step of a bias-free `nn.GRU`: `inputs` `[M, D]`, `state` `[M, G]` -> `[M, G]`."""
-    input_r, input_z, input_n = F.linear(inputs, weight_ih).chunk(3, dim=-1)
-    state_r, state_z, state_n = F.linear(state, weight_hh).chunk(3, dim=-1)
-    reset = torch.sigmoid(input_r + state_r)
-    update = torch.sigmoid(input_z + state_z)
-    candidate = torch.tanh(input_n + reset * state_n)
+def gru_cell(input_gates: torch.Tensor, state_gates: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One step of a bias-free `nn.GRU` from its projected gates.
+
+    `input_gates` = x @ W_ih^T and `state_gates` = h @ W_hh^T (`[M, 3G]`, PyTorch's r|z|n order), `state` `[M, G]`.
+    Taking projections lets the head loop precompute the input side and fuse the state side with other matmuls.
+    """
+    gate_size = state.shape[-1]
+    reset, update = torch.sigmoid(input_gates[:, : 2 * gate_size] + state_gates[:, : 2 * gate_size]).chunk(2, dim=-1)
+    candidate = torch.tanh(input_gates[:, 2 * gate_size :] + reset * state_gates[:, 2 * gate_size :])
     return candidate + update * (state - candidate)
 
 
@@ -494,6 +496,25 @@ class DominoDraftModel(PreTrainedModel):
         residual = self.embed_proj(torch.cat([draft_hidden[:, start:], states[:, start:]], dim=-1))
         return torch.cat([base_logits[:, :start], base_logits[:, start:] + residual.to(base_logits.dtype)], dim=1)
 
+    def _gru_input_gates(self, embed_tokens: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """token ids `[M]` -> GRU input gates `[M, 3G]`, from a vocabulary table when it is small enough to pay.
+
+        The table `E @ W_ih^T` (`[V, 3G]`) turns a per-step embedding lookup and matmul into one row lookup. It is
+        built once per weights (not while training, where W_ih changes every step) and never saved.
+        """
+        weight_ih = self.prefix_gru.weight_ih_l0
+        embedding = embed_tokens.weight
+        table_bytes = embedding.shape[0] * weight_ih.shape[0] * weight_ih.element_size()
+        if torch.is_grad_enabled() or table_bytes > self.config.gru_input_table_max_bytes:
+            return lambda tokens: F.linear(embed_tokens(tokens).to(weight_ih.dtype), weight_ih)
+        key = (embedding.data_ptr(), embedding._version, weight_ih.data_ptr(), weight_ih._version, weight_ih.dtype)
+        cached = self.__dict__.get("_gru_input_table")
+        if cached is None or cached[0] != key:
+            cached = (key, F.linear(embedding.to(weight_ih.dtype), weight_ih))
+            self.__dict__["_gru_input_table"] = cached
+        table = cached[1]
+        return lambda tokens: table[tokens]
+
     def _head_loop(
         self,
         base_logits: torch.Tensor,
@@ -502,31 +523,53 @@ class DominoDraftModel(PreTrainedModel):
         embed_tokens: nn.Module,
         choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequential drafting over the S slots of `[M, S, ...]` blocks; cheap: a GRU step and a rank-R map per slot.
+        """Sequential drafting over the S slots of `[M, S, ...]` blocks: the only sequential part of a round.
+
+        Everything that does not depend on the drafted tokens is computed once per block: the hidden-state half of
+        the low-rank map for all slots, and (via `_gru_input_gates`) the GRU's input projection. Per slot remain one
+        matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused), the gates, and the
+        rank-R vocabulary projection; with `config.head_candidate_pool = K` that projection covers only the K best
+        base tokens of the slot (lossless: the target verifies every draft; other tokens get -inf).
 
         `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s. Returns `[M, S]` tokens and
         `[M, S, V]` logits.
         """
         num_slots = base_logits.shape[1]
         use_head = self.config.use_domino_head
+        pool_size = self.config.head_candidate_pool if use_head else 0
         if use_head:
-            weight_ih, weight_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
+            hidden_size, gate_size = draft_hidden.shape[-1], 3 * self.config.gru_hidden_dim
             down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
-            hidden_part = F.linear(draft_hidden, down[:, : draft_hidden.shape[-1]])  # [M, S, R], once per block
-            state_down = down[:, draft_hidden.shape[-1] :]  # [R, G]
-            state = draft_hidden.new_zeros(draft_hidden.shape[0], self.config.gru_hidden_dim)
-            state = gru_step(anchor_embeds.to(self.dtype), state, weight_ih, weight_hh)
+            hidden_part = F.linear(draft_hidden, down[:, :hidden_size])  # [M, S, R]
+            state_weight = torch.cat([self.prefix_gru.weight_hh_l0, down[:, hidden_size:]])  # [3G + R, G]
+            input_gates = self._gru_input_gates(embed_tokens)
+            zeros = draft_hidden.new_zeros(draft_hidden.shape[0], self.config.gru_hidden_dim)
+            anchor_gates = F.linear(anchor_embeds.to(self.dtype), self.prefix_gru.weight_ih_l0)
+            state = gru_cell(anchor_gates, zeros.new_zeros(zeros.shape[0], gate_size), zeros)
+            state_gates, state_part = F.linear(state, state_weight).split([gate_size, state_weight.shape[0] - gate_size], -1)
+        if pool_size:
+            pool_ids = base_logits.topk(pool_size, dim=-1).indices  # [M, S, K]
+            pool_base = base_logits.gather(-1, pool_ids)
+            pool_up = up[pool_ids]  # [M, S, K, R]
         tokens, logits = [], []
         for slot in range(num_slots):
             slot_logits = base_logits[:, slot]
             if use_head and slot >= self.config.pure_draft_prefix_len:
-                residual = F.linear(F.silu(hidden_part[:, slot] + F.linear(state, state_down)), up)
-                slot_logits = slot_logits + residual.to(slot_logits.dtype)
+                activation = F.silu(hidden_part[:, slot] + state_part)  # [M, R]
+                if pool_size:
+                    pool_logits = pool_base[:, slot] + (pool_up[:, slot] @ activation[:, :, None]).squeeze(-1)
+                    slot_logits = torch.full_like(slot_logits, float("-inf"))
+                    slot_logits.scatter_(-1, pool_ids[:, slot], pool_logits.to(slot_logits.dtype))
+                else:
+                    slot_logits = slot_logits + F.linear(activation, up).to(slot_logits.dtype)
             token, slot_logits = choose(slot, slot_logits)
             tokens.append(token)
             logits.append(slot_logits)
             if use_head and slot + 1 < num_slots:
-                state = gru_step(embed_tokens(token).to(self.dtype), state, weight_ih, weight_hh)
+                state = gru_cell(input_gates(token), state_gates, state)
+                state_gates, state_part = F.linear(state, state_weight).split(
+                    [gate_size, state_weight.shape[0] - gate_size], -1
+                )
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
 
     # ------------------------------------------------------------------ training forward
@@ -867,5 +910,6 @@ __all__ = [
     "block_attention_mask",
     "flex_block_attention_mask",
     "install_generate_hook",
+    "gru_cell",
     "select_token",
 ]
