@@ -335,3 +335,54 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
     assert loaded.stdout.split() == ["DominoDraftModel", "1"], loaded.stderr
     state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+
+
+# ---------------------------------------------------------------------- precomputed target features
+
+
+def test_hooked_features_equal_output_hidden_states(family):
+    from domino_spec.training.features import target_hidden_states
+
+    target = tiny_target(family)
+    draft = tiny_draft(target, target_layer_ids=[0, 2, 3])
+    input_ids = torch.randint(0, 100, (2, 11))
+    attention_mask = torch.ones_like(input_ids)
+    expected = _features(target, draft, input_ids)
+    torch.testing.assert_close(target_hidden_states(target, input_ids, attention_mask, [0, 2, 3]), expected)
+
+
+def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
+    from domino_spec.training.features import FeatureStore, dataset_fingerprint
+
+    record = lambda i: {"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))}
+    _write_jsonl(tmp_path / "d.jsonl", [record(i) for i in range(5)])
+    dataset = load_training_dataset(str(tmp_path / "d.jsonl"))
+    target = tiny_target("llama")
+    draft = tiny_draft(target).float()
+    store_dir = str(tmp_path / "store")
+    store = FeatureStore.build(target, dataset.select(range(3)), draft.config.target_layer_ids, store_dir)
+    with pytest.raises(ValueError, match="other training data"):
+        store.check(dataset, draft.config.target_layer_ids)
+    # An interrupted build of the full set resumes after the examples already written.
+    index = json.loads((tmp_path / "store" / "index.json").read_text())
+    index["fingerprint"], index["complete"] = dataset_fingerprint(dataset), False
+    (tmp_path / "store" / "index.json").write_text(json.dumps(index))
+    first_example = store[0]
+    store = FeatureStore.build(target, dataset, draft.config.target_layer_ids, store_dir)
+    store.check(dataset, draft.config.target_layer_ids)
+    assert len(store) == 5 and torch.equal(store[0], first_example)
+    with pytest.raises(ValueError, match="taps target layers"):
+        store.check(dataset, [1, 2])
+
+    examples = [dataset[i] for i in range(len(dataset))]
+    torch.manual_seed(0)
+    online = DominoDataCollator(pad_token_id=0, num_anchors=4)(examples)
+    torch.manual_seed(0)
+    stored = DominoDataCollator(pad_token_id=0, num_anchors=4, feature_store=store)(examples)
+    assert torch.equal(online["anchor_positions"], stored["anchor_positions"])
+    trainer = _trainer(tmp_path, target, draft, examples, num_anchors=4)
+    draft.eval()
+    with torch.no_grad():
+        loss_online = trainer.compute_loss(draft, online)
+        loss_stored = trainer.compute_loss(draft, stored)
+    torch.testing.assert_close(loss_stored, loss_online, rtol=2e-3, atol=2e-3)  # features stored in fp16

@@ -1,6 +1,7 @@
-"""The `domino-spec` command: generate-data, train, bench, demo, export, card.
+"""The `domino-spec` command: generate-data, cache-features, train, bench, demo, export, card.
 
     domino-spec generate-data --target DIR --prompts FILE --output FILE
+    domino-spec cache-features --target DIR --data FILE --output DIR   (optional: train --features DIR)
     domino-spec train --target DIR --data FILE --output DIR --max-steps N
     domino-spec export --format sglang DIR OUT
     domino-spec card DIR [--push-to-hub REPO]
@@ -100,8 +101,12 @@ class DraftArguments:
     target_layer_ids: str | None = field(
         default=None, metadata={"help": "Comma-separated target layers to tap (default evenly spaced)."}
     )
+    mask_token_id: int | None = field(default=None, metadata={"help": "Target embedding row used as the mask token."})
     init_from: str | None = field(default=None, metadata={"help": "Start from this draft folder instead of random."})
     max_length: int = field(default=3072, metadata={"help": "Training sequence length cap."})
+    features: str | None = field(
+        default=None, metadata={"help": "Folder of precomputed target features (domino-spec cache-features)."}
+    )
 
 
 def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftModel:
@@ -118,6 +123,8 @@ def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftMod
         overrides["emb_dim"] = draft_args.emb_dim
     if draft_args.target_layer_ids:
         overrides["target_layer_ids"] = [int(i) for i in draft_args.target_layer_ids.split(",")]
+    if draft_args.mask_token_id is not None:
+        overrides["mask_token_id"] = draft_args.mask_token_id
     draft = DominoDraftModel.from_target(
         target, num_hidden_layers=layers, block_size=draft_args.block_size, tokenizer=tokenizer, **overrides
     )
@@ -141,6 +148,7 @@ def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTraini
 def train(argv: list[str]) -> None:
     from .collator import DominoDataCollator
     from .data import load_training_dataset, summarize
+    from .features import FeatureStore
     from .trainer import DominoTrainer
 
     draft_args, training_args = parse_train_arguments(argv)
@@ -149,17 +157,36 @@ def train(argv: list[str]) -> None:
     dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
     print(json.dumps({"data": summarize(dataset)}, indent=2))
     draft = build_draft(draft_args, target, tokenizer)
+    feature_store = None
+    if draft_args.features:
+        feature_store = FeatureStore(draft_args.features)
+        feature_store.check(dataset, draft.config.target_layer_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = DominoTrainer(
         model=draft,
         target=target,
         args=training_args,
         train_dataset=dataset,
-        data_collator=DominoDataCollator(pad_token_id=pad_id, num_anchors=training_args.num_anchors),
+        data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     print(f"saved the draft to {training_args.output_dir}")
+
+
+def cache_features(argv: list[str]) -> None:
+    """Compute the target features of a training set once, for `train --features DIR` (resumable)."""
+    from .data import load_training_dataset
+    from .features import FeatureStore
+
+    parser = HfArgumentParser(DraftArguments)
+    parser.add_argument("--output", required=True, help="feature store folder")
+    draft_args, rest = parser.parse_args_into_dataclasses(args=argv)
+    target, tokenizer = load_target(draft_args.target, dtype=torch.float32 if not torch.cuda.is_available() else None)
+    dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
+    layer_ids = build_draft(draft_args, target, tokenizer).config.target_layer_ids
+    store = FeatureStore.build(target, dataset, layer_ids, rest.output)
+    print(f"features of {len(store)} examples (target layers {layer_ids}) in {rest.output}")
 
 
 # ---------------------------------------------------------------------- entry point
@@ -170,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = {
         "generate-data": generate_data,
         "train": train,
+        "cache-features": cache_features,
         "bench": bench,
         "demo": demo,
         "export": export_main,

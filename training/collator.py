@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .features import FeatureStore
+
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """`num_anchors` anchor positions `[B, N]` inside each response.
@@ -28,10 +30,15 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
 @dataclass
 class DominoDataCollator:
-    """Pads `input_ids`/`loss_mask` examples on the right and samples `num_anchors` anchors per sequence."""
+    """Pads `input_ids`/`loss_mask` examples on the right and samples `num_anchors` anchors per sequence.
+
+    With a `feature_store`, each example's precomputed target features (looked up by its `index`) come along as
+    `target_hidden`, so the trainer skips the target pass.
+    """
 
     pad_token_id: int
     num_anchors: int = 256
+    feature_store: FeatureStore | None = None
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(example["input_ids"]) for example in examples)
@@ -43,9 +50,18 @@ class DominoDataCollator:
             input_ids[row, :size] = torch.as_tensor(example["input_ids"])
             attention_mask[row, :size] = 1
             loss_mask[row, :size] = torch.as_tensor(example["loss_mask"])
-        return {
+        batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "loss_mask": loss_mask,
             "anchor_positions": sample_anchors(loss_mask, self.num_anchors),
         }
+        if self.feature_store is not None:
+            features = torch.zeros(len(examples), length, self.feature_store.width)
+            for row, example in enumerate(examples):
+                stored = self.feature_store[example["index"]]
+                if stored.shape[0] != len(example["input_ids"]):
+                    raise ValueError(f"example {example['index']} has {len(example['input_ids'])} tokens, its stored features {stored.shape[0]}")
+                features[row, : stored.shape[0]] = stored.float()
+            batch["target_hidden"] = features
+        return batch

@@ -258,7 +258,7 @@ def _until_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
 
 
 def load_training_dataset(path: str, max_length: int = 3072, min_response_tokens: int = 2):
-    """Regenerated records as a `datasets.Dataset` of `input_ids` and `loss_mask` (1 on response tokens only).
+    """Regenerated records as a `datasets.Dataset` of `input_ids`, `loss_mask` (1 on response tokens only) and `index`.
 
     Sequences are cut to `max_length`; records whose response keeps fewer than `min_response_tokens` tokens, and
     exact duplicates, are dropped.
@@ -278,13 +278,13 @@ def load_training_dataset(path: str, max_length: int = 3072, min_response_tokens
         seen.add(key)
         return True
 
-    def to_example(record) -> dict:
+    def to_example(record, index: int) -> dict:
         input_ids = (record["prompt_ids"] + record["response_ids"])[:max_length]
         loss_mask = ([0] * len(record["prompt_ids"]) + [1] * len(record["response_ids"]))[:max_length]
-        return {"input_ids": input_ids, "loss_mask": loss_mask}
+        return {"input_ids": input_ids, "loss_mask": loss_mask, "index": index}
 
     filtered = raw.filter(keep)
-    return filtered.map(to_example, remove_columns=filtered.column_names)
+    return filtered.map(to_example, with_indices=True, remove_columns=filtered.column_names)
 
 
 def summarize(dataset) -> dict:

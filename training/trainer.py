@@ -1,4 +1,4 @@
-"""DominoTrainer: `transformers.Trainer` with a frozen target computing features online and the Domino loss."""
+"""DominoTrainer: `transformers.Trainer` with a frozen target (features online or from a store) and the Domino loss."""
 
 import logging
 from dataclasses import dataclass, field
@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
+from .features import target_hidden_states
 from .loss import block_labels, curriculum_lambda, domino_loss
 from .model_card import training_summary, write_model_card
 
@@ -56,15 +57,15 @@ class DominoTrainer(Trainer):
             self.state.global_step, self.state.max_steps, self.args.lambda_start, self.args.decay_ratio
         )
 
-    @torch.no_grad()
     def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The target's tapped hidden states `[B, T, n_layers * D]`; its LM head is skipped."""
-        decoder = self.target.get_decoder()
-        outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        return self.accelerator.unwrap_model(self.model).fuse_target_hidden_states(outputs.hidden_states)
+        """The target's tapped hidden states `[B, T, n_layers * D]`; it stops after the last tapped layer."""
+        layer_ids = self.accelerator.unwrap_model(self.model).config.target_layer_ids
+        return target_hidden_states(self.target, input_ids, attention_mask, layer_ids)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        target_hidden = self.target_features(inputs["input_ids"], inputs["attention_mask"])
+        target_hidden = inputs.get("target_hidden")  # present when features come from a FeatureStore
+        if target_hidden is None:
+            target_hidden = self.target_features(inputs["input_ids"], inputs["attention_mask"])
         outputs = model(
             input_ids=inputs["input_ids"],
             target_hidden=target_hidden,

@@ -1,0 +1,124 @@
+"""Target features for training: computed online each step, or once into an on-disk store reused by every epoch
+and every draft trained on the same data (the target pass is most of a step's cost for small drafts on CPU).
+
+Only the tapped layers are kept, and the target stops after the last of them: its later layers and its LM head
+never run.
+"""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+
+class _StopAfterLastTappedLayer(Exception):
+    pass
+
+
+@torch.no_grad()
+def target_hidden_states(
+    target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
+) -> torch.Tensor:
+    """Concatenated outputs of target layers `layer_ids`: `[B, T, len(layer_ids) * D]`.
+
+    Forward hooks on the tapped decoder layers capture their outputs; the last one ends the forward early.
+    """
+    layers = target.get_decoder().layers
+    captured: dict[int, torch.Tensor] = {}
+    last = max(layer_ids)
+
+    def capture(index):
+        def hook(module, args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == last:
+                raise _StopAfterLastTappedLayer
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
+    try:
+        target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _StopAfterLastTappedLayer:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+def dataset_fingerprint(dataset) -> str:
+    """Hash of every example's token ids: a store is only valid for exactly the data it was built from."""
+    digest = hashlib.sha256()
+    for ids in dataset["input_ids"]:
+        digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+class FeatureStore:
+    """fp16 target features of a training set: `features.bin` (all examples back to back) and `index.json`."""
+
+    def __init__(self, directory: str):
+        index_path = os.path.join(directory, "index.json")
+        if not os.path.exists(index_path):
+            raise FileNotFoundError(f"no feature store in {directory} (missing index.json): run `domino-spec cache-features`")
+        with open(index_path, encoding="utf-8") as file:
+            self.index = json.load(file)
+        if not self.index.get("complete"):
+            raise ValueError(f"the feature store in {directory} is incomplete: rerun `domino-spec cache-features` to finish it")
+        self.layer_ids = self.index["layer_ids"]
+        self.width = self.index["width"]
+        self.offsets = self.index["offsets"]
+        total = self.offsets[-1]
+        self.features = np.memmap(os.path.join(directory, "features.bin"), dtype=np.float16, mode="r", shape=(total, self.width))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, example: int) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.features[self.offsets[example] : self.offsets[example + 1]]))
+
+    def check(self, dataset, layer_ids: list[int]) -> None:
+        """Raise `ValueError` unless this store was built from `dataset` with these tapped layers."""
+        if list(layer_ids) != self.layer_ids:
+            raise ValueError(f"the feature store taps target layers {self.layer_ids}, the draft {list(layer_ids)}")
+        if self.index["fingerprint"] != dataset_fingerprint(dataset):
+            raise ValueError("the feature store was built from other training data: rebuild it for this --data")
+
+    @staticmethod
+    def build(target, dataset, layer_ids: list[int], directory: str) -> "FeatureStore":
+        """Compute and write the features of every example; resumes an interrupted build where it stopped."""
+        os.makedirs(directory, exist_ok=True)
+        index_path = os.path.join(directory, "index.json")
+        fingerprint = dataset_fingerprint(dataset)
+        index = {"layer_ids": list(layer_ids), "fingerprint": fingerprint, "offsets": [0], "complete": False}
+        if os.path.exists(index_path):
+            with open(index_path, encoding="utf-8") as file:
+                previous = json.load(file)
+            if previous["layer_ids"] == list(layer_ids) and previous["fingerprint"] == fingerprint:
+                index = previous
+        data_path = os.path.join(directory, "features.bin")
+        done = len(index["offsets"]) - 1
+        with open(data_path, "ab") as data:
+            data.truncate(index["offsets"][-1] * 2 * index.get("width", 0) if done else 0)
+            for example in tqdm(range(done, len(dataset)), initial=done, total=len(dataset), desc="target features"):
+                input_ids = torch.tensor([dataset[example]["input_ids"]], device=target.device)
+                features = target_hidden_states(target, input_ids, None, layer_ids)[0].to(torch.float16).cpu()
+                index["width"] = features.shape[-1]
+                data.write(features.numpy().tobytes())
+                index["offsets"].append(index["offsets"][-1] + features.shape[0])
+                if example % 50 == 0 or example == len(dataset) - 1:
+                    data.flush()
+                    _write_json(index_path, index)
+            index["complete"] = True
+            data.flush()
+        _write_json(index_path, index)
+        return FeatureStore(directory)
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as file:
+        json.dump(value, file)
+    os.replace(path + ".tmp", path)
