@@ -128,6 +128,17 @@ def select_token(logits: torch.Tensor, do_sample: bool, generator: torch.Generat
     return flat.view(probs.shape[:-1])
 
 
+def _argmax_choice(slot: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.argmax(dim=-1), logits
+
+
+def _spread_pool_logits(logits: list[torch.Tensor], pool_ids: torch.Tensor, start: int) -> list[torch.Tensor]:
+    """Vocabulary-wide logits of greedy pool slots (`[M, K]` from `start` on): -inf outside each slot's pool."""
+    spread = torch.full((*pool_ids.shape[:2], logits[0].shape[-1]), float("-inf"), dtype=logits[0].dtype, device=pool_ids.device)
+    spread[:, start:].scatter_(-1, pool_ids[:, start:], torch.stack(logits[start:], dim=1))
+    return logits[:start] + list(spread[:, start:].unbind(1))
+
+
 def gru_cell(input_gates: torch.Tensor, state_gates: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """One step of a bias-free `nn.GRU` from its projected gates.
 
@@ -496,23 +507,29 @@ class DominoDraftModel(PreTrainedModel):
         residual = self.embed_proj(torch.cat([draft_hidden[:, start:], states[:, start:]], dim=-1))
         return torch.cat([base_logits[:, :start], base_logits[:, start:] + residual.to(base_logits.dtype)], dim=1)
 
+    def _derived(self, name: str, sources: tuple[torch.Tensor, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A tensor derived from weights for fast inference, rebuilt whenever a source changes; never saved.
+
+        While gradients are enabled (training) it is built fresh each call, so it stays differentiable.
+        """
+        if torch.is_grad_enabled():
+            return build()
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
+        cache = self.__dict__.setdefault("_derived_tensors", {})
+        if name not in cache or cache[name][0] != key:
+            cache[name] = (key, build())
+        return cache[name][1]
+
     def _gru_input_gates(self, embed_tokens: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """token ids `[M]` -> GRU input gates `[M, 3G]`, from a vocabulary table when it is small enough to pay.
 
-        The table `E @ W_ih^T` (`[V, 3G]`) turns a per-step embedding lookup and matmul into one row lookup. It is
-        built once per weights (not while training, where W_ih changes every step) and never saved.
+        The table `E @ W_ih^T` (`[V, 3G]`) turns a per-step embedding lookup and matmul into one row lookup.
         """
-        weight_ih = self.prefix_gru.weight_ih_l0
-        embedding = embed_tokens.weight
+        weight_ih, embedding = self.prefix_gru.weight_ih_l0, embed_tokens.weight
         table_bytes = embedding.shape[0] * weight_ih.shape[0] * weight_ih.element_size()
         if torch.is_grad_enabled() or table_bytes > self.config.gru_input_table_max_bytes:
             return lambda tokens: F.linear(embed_tokens(tokens).to(weight_ih.dtype), weight_ih)
-        key = (embedding.data_ptr(), embedding._version, weight_ih.data_ptr(), weight_ih._version, weight_ih.dtype)
-        cached = self.__dict__.get("_gru_input_table")
-        if cached is None or cached[0] != key:
-            cached = (key, F.linear(embedding.to(weight_ih.dtype), weight_ih))
-            self.__dict__["_gru_input_table"] = cached
-        table = cached[1]
+        table = self._derived("gru_input_table", (embedding, weight_ih), lambda: F.linear(embedding.to(weight_ih.dtype), weight_ih))
         return lambda tokens: table[tokens]
 
     def _head_loop(
@@ -521,55 +538,69 @@ class DominoDraftModel(PreTrainedModel):
         draft_hidden: torch.Tensor,
         anchor_embeds: torch.Tensor,
         embed_tokens: nn.Module,
-        choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequential drafting over the S slots of `[M, S, ...]` blocks: the only sequential part of a round.
 
         Everything that does not depend on the drafted tokens is computed once per block: the hidden-state half of
-        the low-rank map for all slots, and (via `_gru_input_gates`) the GRU's input projection. Per slot remain one
-        matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused), the gates, and the
-        rank-R vocabulary projection; with `config.head_candidate_pool = K` that projection covers only the K best
-        base tokens of the slot (lossless: the target verifies every draft; other tokens get -inf).
+        the low-rank map for all slots, the GRU's input projection (`_gru_input_gates`), and the weight layouts.
+        Per slot remain one matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused),
+        the gates, and the rank-R vocabulary projection fused with the base-logit add. With
+        `config.head_candidate_pool = K` that projection covers only the K best base tokens of the slot (lossless:
+        the target verifies every draft); the other tokens get -inf.
 
-        `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s. Returns `[M, S]` tokens and
-        `[M, S, V]` logits.
+        `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s; `None` is greedy argmax.
+        Returns `[M, S]` tokens and `[M, S, V]` logits.
         """
         num_slots = base_logits.shape[1]
-        use_head = self.config.use_domino_head
-        pool_size = self.config.head_candidate_pool if use_head else 0
-        if use_head:
-            hidden_size, gate_size = draft_hidden.shape[-1], 3 * self.config.gru_hidden_dim
-            down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
-            hidden_part = F.linear(draft_hidden, down[:, :hidden_size])  # [M, S, R]
-            state_weight = torch.cat([self.prefix_gru.weight_hh_l0, down[:, hidden_size:]])  # [3G + R, G]
-            input_gates = self._gru_input_gates(embed_tokens)
-            zeros = draft_hidden.new_zeros(draft_hidden.shape[0], self.config.gru_hidden_dim)
-            anchor_gates = F.linear(anchor_embeds.to(self.dtype), self.prefix_gru.weight_ih_l0)
-            state = gru_cell(anchor_gates, zeros.new_zeros(zeros.shape[0], gate_size), zeros)
-            state_gates, state_part = F.linear(state, state_weight).split([gate_size, state_weight.shape[0] - gate_size], -1)
+        if not self.config.use_domino_head:
+            choose = choose or _argmax_choice
+            tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(num_slots)))
+            return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+
+        hidden_size, gate_size = draft_hidden.shape[-1], 3 * self.config.gru_hidden_dim
+        down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
+        weight_hh = self.prefix_gru.weight_hh_l0
+        hidden_part = F.linear(draft_hidden, down[:, :hidden_size])  # [M, S, R]
+        state_weight = self._derived("state_weight", (weight_hh, down), lambda: torch.cat([weight_hh, down[:, hidden_size:]]))
+        input_gates = self._gru_input_gates(embed_tokens)
+        zeros = draft_hidden.new_zeros(draft_hidden.shape[0], self.config.gru_hidden_dim)
+        anchor_gates = F.linear(anchor_embeds.to(self.dtype), self.prefix_gru.weight_ih_l0)
+        state = gru_cell(anchor_gates, zeros.new_zeros(zeros.shape[0], gate_size), zeros)
+
+        pool_size = self.config.head_candidate_pool
         if pool_size:
             pool_ids = base_logits.topk(pool_size, dim=-1).indices  # [M, S, K]
             pool_base = base_logits.gather(-1, pool_ids)
-            pool_up = up[pool_ids]  # [M, S, K, R]
+            pool_up = up[pool_ids].to(base_logits.dtype)  # [M, S, K, R]
+        else:
+            up_columns = self._derived("up_columns", (up,), lambda: up.t().contiguous())  # [R, V]: fast GEMV
+
         tokens, logits = [], []
         for slot in range(num_slots):
+            state_gates, state_part = F.linear(state, state_weight).split([gate_size, state_weight.shape[0] - gate_size], -1)
             slot_logits = base_logits[:, slot]
-            if use_head and slot >= self.config.pure_draft_prefix_len:
-                activation = F.silu(hidden_part[:, slot] + state_part)  # [M, R]
+            if slot >= self.config.pure_draft_prefix_len:
+                activation = F.silu(hidden_part[:, slot] + state_part).to(base_logits.dtype)  # [M, R]
                 if pool_size:
                     pool_logits = pool_base[:, slot] + (pool_up[:, slot] @ activation[:, :, None]).squeeze(-1)
-                    slot_logits = torch.full_like(slot_logits, float("-inf"))
-                    slot_logits.scatter_(-1, pool_ids[:, slot], pool_logits.to(slot_logits.dtype))
+                    if choose is None:  # greedy: pick inside the pool, spread to the vocabulary once at the end
+                        token = pool_ids[:, slot].gather(-1, pool_logits.argmax(-1, keepdim=True)).squeeze(-1)
+                        tokens.append(token)
+                        logits.append(pool_logits)
+                        if slot + 1 < num_slots:
+                            state = gru_cell(input_gates(token), state_gates, state)
+                        continue
+                    slot_logits = torch.full_like(slot_logits, float("-inf")).scatter_(-1, pool_ids[:, slot], pool_logits)
                 else:
-                    slot_logits = slot_logits + F.linear(activation, up).to(slot_logits.dtype)
-            token, slot_logits = choose(slot, slot_logits)
+                    slot_logits = torch.addmm(slot_logits, activation, up_columns.to(slot_logits.dtype))
+            token, slot_logits = (choose or _argmax_choice)(slot, slot_logits)
             tokens.append(token)
             logits.append(slot_logits)
-            if use_head and slot + 1 < num_slots:
+            if slot + 1 < num_slots:
                 state = gru_cell(input_gates(token), state_gates, state)
-                state_gates, state_part = F.linear(state, state_weight).split(
-                    [gate_size, state_weight.shape[0] - gate_size], -1
-                )
+        if pool_size and choose is None:
+            logits = _spread_pool_logits(logits, pool_ids, self.config.pure_draft_prefix_len)
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
 
     # ------------------------------------------------------------------ training forward
@@ -630,12 +661,8 @@ class DominoDraftModel(PreTrainedModel):
         # Ground truth at anchor + s: the tokens the GRU reads before slot s predicts anchor + s + 1.
         prefix_positions = (anchor_positions[:, :, None] + offsets[:num_slots]).clamp(max=length - 1)
         prefix_ids = input_ids.gather(1, prefix_positions.view(batch_size, -1)).view(-1, num_slots)  # [B*N, S]
-        if head_reads_predictions:
-
-            def choose_greedy(slot, slot_logits):
-                return slot_logits.detach().argmax(dim=-1), slot_logits
-
-            _, logits = self._head_loop(flat_base, flat_hidden, embed_tokens(prefix_ids[:, 0]), embed_tokens, choose_greedy)
+        if head_reads_predictions:  # argmax has no gradient: the GRU reads the predictions as constants
+            _, logits = self._head_loop(flat_base, flat_hidden, embed_tokens(prefix_ids[:, 0]), embed_tokens)
         else:
             logits = self._teacher_forced_logits(flat_base, flat_hidden, embed_tokens(prefix_ids))
         return DominoOutput(logits=logits.view_as(base_logits), base_logits=base_logits)
@@ -731,7 +758,10 @@ class DominoDraftModel(PreTrainedModel):
                 drafted = torch.cat([drafted, token[:, None]], dim=-1)
             return token, slot_logits
 
-        tokens, logits = self._head_loop(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens, choose)
+        plain_greedy = logits_processor is None and not do_sample
+        tokens, logits = self._head_loop(
+            base_logits, draft_hidden, block_embeds[:, 0], embed_tokens, None if plain_greedy else choose
+        )
         return DominoDraft(tokens=tokens, logits=logits)
 
     def get_candidate_generator(

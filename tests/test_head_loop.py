@@ -1,0 +1,94 @@
+"""The fast head loop: precomputed GRU input table, fused state matmul, optional candidate pool, all lossless."""
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+
+from domino_spec import DominoContextCache
+from domino_spec.generation import speculative_generate
+
+
+def _draft_once(draft, target, input_ids, **kwargs):
+    cache = DominoContextCache()
+    context = input_ids.shape[1] - 1
+    with torch.no_grad():
+        features = draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
+    return draft.draft_block(
+        input_ids[:, -1],
+        torch.full((input_ids.shape[0],), context),
+        cache,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        target_hidden=features[:, :context],
+        context_position_ids=torch.arange(context).expand(input_ids.shape[0], -1),
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def target_and_draft():
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    with torch.no_grad():  # a head that matters: residuals on the scale of the base logits
+        draft.embed_proj[2].weight.mul_(50.0)
+    return target, draft
+
+
+def test_gru_input_table_matches_per_step_projection(target_and_draft):
+    target, draft = target_and_draft
+    input_ids = torch.randint(0, 100, (3, 14))
+    draft.config.gru_input_table_max_bytes = 0
+    direct = _draft_once(draft, target, input_ids)
+    draft.config.gru_input_table_max_bytes = 2**30
+    tabled = _draft_once(draft, target, input_ids)
+    assert "gru_input_table" in draft.__dict__["_derived_tensors"]
+    assert torch.equal(direct.tokens, tabled.tokens)
+    torch.testing.assert_close(tabled.logits, direct.logits)
+
+
+def test_derived_weights_follow_weight_updates(target_and_draft):
+    target, draft = target_and_draft
+    input_ids = torch.randint(0, 100, (2, 12))
+    before = _draft_once(draft, target, input_ids)
+    with torch.no_grad():
+        draft.prefix_gru.weight_ih_l0.mul_(-1.0)  # in place: same storage, new version
+        draft.embed_proj[2].weight.mul_(-1.0)
+    after = _draft_once(draft, target, input_ids)
+    draft.__dict__.pop("_derived_tensors")
+    rebuilt = _draft_once(draft, target, input_ids)
+    assert not torch.allclose(after.logits, before.logits)
+    torch.testing.assert_close(after.logits, rebuilt.logits)
+
+
+def test_candidate_pool_of_the_whole_vocabulary_changes_nothing(target_and_draft):
+    target, draft = target_and_draft
+    input_ids = torch.randint(0, 100, (3, 14))
+    full = _draft_once(draft, target, input_ids)
+    draft.config.head_candidate_pool = draft.config.vocab_size
+    pooled = _draft_once(draft, target, input_ids)
+    assert torch.equal(full.tokens, pooled.tokens)
+    torch.testing.assert_close(pooled.logits, full.logits)
+
+
+def test_candidate_pool_restricts_drafts_to_the_best_base_tokens(target_and_draft):
+    target, draft = target_and_draft
+    input_ids = torch.randint(0, 100, (3, 14))
+    draft.config.head_candidate_pool = 3
+    pooled = _draft_once(draft, target, input_ids)
+    prefix = draft.config.pure_draft_prefix_len
+    finite = torch.isfinite(pooled.logits[:, prefix:])
+    assert (finite.sum(-1) == 3).all()  # only the pool keeps a logit
+    assert torch.equal(pooled.logits.argmax(-1), pooled.tokens)
+    sampled = _draft_once(draft, target, input_ids, do_sample=True, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(sampled.logits.gather(-1, sampled.tokens[..., None])).all()  # samples stay in the pool
+
+
+@pytest.mark.parametrize("pool", [0, 4])
+def test_greedy_decoding_with_fast_head_is_lossless(target_and_draft, pool):
+    target, draft = target_and_draft
+    draft.config.head_candidate_pool = pool
+    for seed in range(6):
+        input_ids = torch.randint(0, 100, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+        expected = target.generate(input_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        output = speculative_generate(target, draft, input_ids, max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(output.sequences, expected)
