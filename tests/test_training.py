@@ -268,10 +268,11 @@ def test_training_dataset_masks_response_and_drops_duplicates(tmp_path):
 
 
 def test_train_arguments_from_yaml_and_command_line(tmp_path):
-    (tmp_path / "recipe.yaml").write_text("learning_rate: 0.001\nnum_anchors: 32\nblock_size: 8\n")
-    argv = ["--target", "t", "--data", "d.jsonl", "--output", str(tmp_path / "o"), "--config", str(tmp_path / "recipe.yaml")]
+    (tmp_path / "recipe.yaml").write_text("target: t\nlearning_rate: 0.001\nnum_anchors: 32\nblock_size: 8\n")
+    argv = ["--data", "d.jsonl", "--output", str(tmp_path / "o"), "--config", str(tmp_path / "recipe.yaml")]
     draft_args, training_args = parse_train_arguments(argv + ["--num_anchors", "64"])
     assert training_args.learning_rate == 0.001 and training_args.num_anchors == 64  # the command line wins
+    assert draft_args.target == "t"  # a required flag given by the file
     assert draft_args.block_size == 8 and training_args.output_dir == str(tmp_path / "o")
     assert training_args.lr_scheduler_type == "cosine" and training_args.lambda_start == 1.0  # recipe defaults
 

@@ -137,10 +137,16 @@ def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTraini
     parser.add_argument("--output", dest="output_dir", default=argparse.SUPPRESS, help="alias of --output_dir")
     # Without a GPU, train on the CPU explicitly: multi-process CPU runs (accelerate launch --cpu) need it.
     parser.set_defaults(use_cpu=not torch.cuda.is_available())
-    known, _ = parser.parse_known_args(argv)
+    config_flag = argparse.ArgumentParser(add_help=False)
+    config_flag.add_argument("--config", default=None)
+    known, _ = config_flag.parse_known_args(argv)
     if known.config:
         with open(known.config, encoding="utf-8") as file:
-            parser.set_defaults(**(yaml.safe_load(file) or {}))
+            values = yaml.safe_load(file) or {}
+        parser.set_defaults(**values)
+        for action in parser._actions:  # a value from the file satisfies a required flag
+            if action.dest in values:
+                action.required = False
     draft_args, training_args, _ = parser.parse_args_into_dataclasses(args=argv)
     return draft_args, training_args
 
@@ -175,18 +181,20 @@ def train(argv: list[str]) -> None:
 
 
 def cache_features(argv: list[str]) -> None:
-    """Compute the target features of a training set once, for `train --features DIR` (resumable)."""
+    """Compute the target features of a training set once, for `train --features DIR` (resumable).
+
+    Takes the same flags and `--config` as `train` (the draft's tapped layers decide what is stored); `--output` is
+    the store's folder.
+    """
     from .data import load_training_dataset
     from .features import FeatureStore
 
-    parser = HfArgumentParser(DraftArguments)
-    parser.add_argument("--output", required=True, help="feature store folder")
-    draft_args, rest = parser.parse_args_into_dataclasses(args=argv)
+    draft_args, training_args = parse_train_arguments(argv)
     target, tokenizer = load_target(draft_args.target, dtype=torch.float32 if not torch.cuda.is_available() else None)
     dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
     layer_ids = build_draft(draft_args, target, tokenizer).config.target_layer_ids
-    store = FeatureStore.build(target, dataset, layer_ids, rest.output)
-    print(f"features of {len(store)} examples (target layers {layer_ids}) in {rest.output}")
+    store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir)
+    print(f"features of {len(store)} examples (target layers {layer_ids}) in {training_args.output_dir}")
 
 
 # ---------------------------------------------------------------------- entry point
