@@ -34,7 +34,7 @@ from transformers import (
 )
 
 from domino_spec import DominoDraftModel
-from domino_spec.generation import speculative_generate
+from domino_spec.generation import left_pad, speculative_generate
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2)
@@ -152,16 +152,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(prompt.shape[1] for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - prompt.shape[1] :] = prompt[0]
-        attention_mask[row, width - prompt.shape[1] :] = 1
-    return input_ids, attention_mask
-
-
 def run_native(args, target, draft, prompts, pad_token_id: int, method: str) -> MethodResult:
     """`plain` (draft None) or `native-domino`, in batches of --batch-size."""
     result = MethodResult(method, draft_seconds=0.0, verify_seconds=0.0)
@@ -169,7 +159,7 @@ def run_native(args, target, draft, prompts, pad_token_id: int, method: str) -> 
     accepted, verified = None, 0
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
-        input_ids, attention_mask = _left_pad(batch, pad_token_id)
+        input_ids, attention_mask = left_pad(batch, pad_token_id)
         _sync(device)
         tick = time.perf_counter()
         output = speculative_generate(

@@ -17,17 +17,6 @@ def random_prompts(count: int, seed: int, vocab_size: int = 120, min_length: int
     return [torch.randint(0, vocab_size, (1, int(length)), generator=generator) for length in lengths]
 
 
-def left_pad(prompts: list[torch.Tensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad 1-row prompts into `input_ids` and `attention_mask` `[B, P]`."""
-    width = max(prompt.shape[1] for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - prompt.shape[1] :] = prompt[0]
-        attention_mask[row, width - prompt.shape[1] :] = 1
-    return input_ids, attention_mask
-
-
 class OracleDraft(DominoDraftModel):
     """A draft whose proposals are the target's own greedy continuation (precomputed), with peaked logits.
 

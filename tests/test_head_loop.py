@@ -1,4 +1,5 @@
-"""The fast head loop: precomputed GRU input table, fused state matmul, optional candidate pool, all lossless."""
+"""The fast head loop: precomputed GRU input table, fused state matmul, optional candidate pool, all lossless;
+and compiled drafting (`compile_drafting`), which gives the eager tokens."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ from conftest import tiny_draft, tiny_target
 
 from domino_spec import DominoContextCache
 from domino_spec.generation import speculative_generate
+from domino_spec.modeling_domino import greedy_head
 
 
 def _draft_once(draft, target, input_ids, **kwargs):
@@ -92,3 +94,75 @@ def test_greedy_decoding_with_fast_head_is_lossless(target_and_draft, pool):
         expected = target.generate(input_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
         output = speculative_generate(target, draft, input_ids, max_new_tokens=20, eos_token_id=[])
         assert torch.equal(output.sequences, expected)
+
+
+def test_candidate_pool_without_pure_prefix(target_and_draft):
+    """A pool from slot 0 on: greedy picks are the argmax of the spread, vocabulary-wide logits."""
+    target, draft = target_and_draft
+    draft.config.pure_draft_prefix_len = 0
+    draft.config.head_candidate_pool = 3
+    pooled = _draft_once(draft, target, torch.randint(0, 100, (2, 12)))
+    assert pooled.logits.shape[-1] == draft.config.vocab_size
+    assert (torch.isfinite(pooled.logits).sum(-1) == 3).all()
+    assert torch.equal(pooled.logits.argmax(-1), pooled.tokens)
+
+
+# ---------------------------------------------------------------------- compiled drafting
+
+
+@pytest.mark.parametrize("pool", [0, 4])
+def test_greedy_head_and_backbone_trace_as_whole_graphs(target_and_draft, pool):
+    """No graph break (dynamo only, no code generation: fast): `compile_drafting` can capture each in one graph."""
+    target, draft = target_and_draft
+    embed_tokens = target.get_input_embeddings()
+    input_ids = torch.randint(0, 100, (2, 10))
+    with torch.no_grad():
+        features = draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
+        cache = DominoContextCache()
+        draft.extend_context(cache, features, torch.arange(10).expand(2, -1))
+        arguments = (embed_tokens(input_ids[:, :6]), 10 + torch.arange(6).expand(2, -1), list(zip(cache.keys, cache.values)))
+        backbone = torch.compile(draft.backbone, backend="eager", fullgraph=True, dynamic=True)
+        hidden = backbone(*arguments)
+        torch.testing.assert_close(hidden, draft.backbone(*arguments))
+        base_logits = target.get_output_embeddings()(hidden)
+        weights = draft._head_weights(embed_tokens, base_logits.dtype)
+        head = torch.compile(greedy_head, backend="eager", fullgraph=True)
+        expected = greedy_head(base_logits, hidden, arguments[0][:, 0], weights, 1, pool)
+        tokens, logits = head(base_logits, hidden, arguments[0][:, 0], weights, 1, pool)
+    assert torch.equal(tokens, expected[0])
+    torch.testing.assert_close(logits, expected[1])
+    torch._dynamo.reset()
+
+
+def test_compile_drafting_is_a_switch_not_state(target_and_draft):
+    target, draft = target_and_draft
+    keys = set(draft.state_dict())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        draft.compile_drafting("fast")
+    assert draft.compile_drafting() is draft and draft.is_drafting_compiled
+    assert set(draft.state_dict()) == keys  # compiled functions are not modules: nothing saved or moved
+    draft.compile_drafting(None)
+    assert not draft.is_drafting_compiled
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow  # two inductor compilations per case: ~15-30 s each on one CPU thread
+@pytest.mark.parametrize("pool", [0, 4])
+def test_compiled_drafting_gives_eager_tokens(target_and_draft, pool):
+    target, draft = target_and_draft
+    draft.config.head_candidate_pool = pool
+    contexts = [torch.randint(0, 100, (2, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 20)]
+    eager = [_draft_once(draft, target, input_ids) for input_ids in contexts]
+    draft.compile_drafting()
+    try:
+        for input_ids, expected in zip(contexts, eager):  # a growing context: the dynamic backbone, compiled once
+            compiled = _draft_once(draft, target, input_ids)
+            assert torch.equal(compiled.tokens, expected.tokens)
+            torch.testing.assert_close(compiled.logits, expected.logits, rtol=1e-4, atol=1e-4)
+        input_ids = contexts[0][:1]
+        reference = target.generate(input_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        output = speculative_generate(target, draft, input_ids, max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(output.sequences, reference)
+    finally:
+        draft.compile_drafting(None)
+        torch._dynamo.reset()

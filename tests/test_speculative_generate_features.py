@@ -4,7 +4,9 @@ generate hook, and the clear errors of both decoding paths."""
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
-from speculative_helpers import left_pad, make_peaked, random_prompts
+from speculative_helpers import make_peaked, random_prompts
+
+from domino_spec.generation import left_pad
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tokenizer_models
 from transformers import GenerationMixin, PreTrainedTokenizerFast

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
-from speculative_helpers import OracleDraft, left_pad, random_prompts
+from speculative_helpers import OracleDraft, random_prompts
 from transformers import AutoModel
 
-from domino_spec.generation import speculative_generate
+from domino_spec.generation import left_pad, speculative_generate
 
 NUM_PROMPTS = 50
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..generation.engine import left_pad
+
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -197,7 +199,7 @@ def regenerate_responses(
     with open(output_path, "a", encoding="utf-8") as output:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            input_ids, attention_mask = _left_pad([ids for _, ids in batch], pad_id)
+            input_ids, attention_mask = left_pad([ids for _, ids in batch], pad_id)
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
             sequences = target.generate(
                 input_ids=input_ids.to(device),
@@ -234,16 +236,6 @@ def _eos_ids(target, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     return eos
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        input_ids[index, width - len(row) :] = torch.tensor(row)
-        attention_mask[index, width - len(row) :] = 1
-    return input_ids, attention_mask
 
 
 def _until_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
