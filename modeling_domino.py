@@ -15,6 +15,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -132,11 +133,32 @@ def _argmax_choice(slot: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch
     return logits.argmax(dim=-1), logits
 
 
-def _spread_pool_logits(logits: list[torch.Tensor], pool_ids: torch.Tensor, start: int) -> list[torch.Tensor]:
+def _slot_chooser(
+    prefix_ids: torch.LongTensor | None, logits_processor: Callable | None, do_sample: bool, generator=None
+) -> Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The head loop's `choose` for processed or sampled drafting; the processor sees `prefix_ids` + drafts so far."""
+    drafted = prefix_ids
+
+    def choose(slot: int, slot_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal drafted
+        if logits_processor is not None:
+            slot_logits = logits_processor(drafted, slot_logits)
+        token = select_token(slot_logits, do_sample, generator)
+        if drafted is not None:
+            drafted = torch.cat([drafted, token[:, None]], dim=-1)
+        return token, slot_logits
+
+    return choose
+
+
+def _spread_pool_logits(
+    logits: list[torch.Tensor], pool_ids: torch.Tensor, start: int, vocab_size: int
+) -> list[torch.Tensor]:
     """Vocabulary-wide logits of greedy pool slots (`[M, K]` from `start` on): -inf outside each slot's pool."""
-    spread = torch.full((*pool_ids.shape[:2], logits[0].shape[-1]), float("-inf"), dtype=logits[0].dtype, device=pool_ids.device)
-    spread[:, start:].scatter_(-1, pool_ids[:, start:], torch.stack(logits[start:], dim=1))
-    return logits[:start] + list(spread[:, start:].unbind(1))
+    shape = (pool_ids.shape[0], pool_ids.shape[1] - start, vocab_size)
+    spread = torch.full(shape, float("-inf"), dtype=logits[-1].dtype, device=pool_ids.device)
+    spread.scatter_(-1, pool_ids[:, start:], torch.stack(logits[start:], dim=1))
+    return logits[:start] + list(spread.unbind(1))
 
 
 def gru_cell(input_gates: torch.Tensor, state_gates: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -149,6 +171,162 @@ def gru_cell(input_gates: torch.Tensor, state_gates: torch.Tensor, state: torch.
     reset, update = torch.sigmoid(input_gates[:, : 2 * gate_size] + state_gates[:, : 2 * gate_size]).chunk(2, dim=-1)
     candidate = torch.tanh(input_gates[:, 2 * gate_size :] + reset * state_gates[:, 2 * gate_size :])
     return candidate + update * (state - candidate)
+
+
+# ---------------------------------------------------------------------- the Domino head as pure tensor functions
+# Drafting splits the head into weight layouts (`DominoHeadWeights`, derived once per weight version), per-block
+# inputs (`head_block_inputs`) and the slot loop (`head_slot_loop`). Tensors in, tensors out: the greedy head
+# (`greedy_head`) has no Python callback, so `DominoDraftModel.compile_drafting` can capture it in one graph.
+
+
+class DominoHeadWeights(NamedTuple):
+    """The Domino head's weights in the layouts the slot loop reads (built by `DominoDraftModel._head_weights`)."""
+
+    weight_ih: torch.Tensor  # [3G, D]: GRU input projection (the anchor's gates; every token's without a table)
+    embedding: torch.Tensor  # [V, D]: the target's input embeddings
+    gate_table: torch.Tensor | None  # [V, 3G] = E @ W_ih^T: a drafted token's gates in one row lookup; None if too big
+    state_weight: torch.Tensor  # [3G + R, G]: W_hh and the state's half of the low-rank map, fused into one matmul
+    down: torch.Tensor  # [R, D + G]: the low-rank map's input side
+    up: torch.Tensor  # [V, R]: its vocabulary side (rows gathered for a candidate pool)
+    up_columns: torch.Tensor | None  # [R, V] in the logits' dtype, contiguous (fast GEMV); None with a pool
+
+
+class DominoHeadBlock(NamedTuple):
+    """Per-block inputs of the slot loop: everything that does not depend on the drafted tokens."""
+
+    hidden_part: torch.Tensor  # [M, S, R]: the hidden-state half of the low-rank map, all slots at once
+    state: torch.Tensor  # [M, G]: the GRU state after reading the anchor
+    pool_ids: torch.Tensor | None = None  # [M, S, K]: each slot's candidate pool, its K best base tokens
+    pool_base: torch.Tensor | None = None  # [M, S, K]: their base logits
+    pool_up: torch.Tensor | None = None  # [M, S, K, R]: their rows of `up`
+
+
+def gru_input_gates(weights: DominoHeadWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """GRU input gates `[M, 3G]` of token ids `[M]`: a table row, else the embedding row times W_ih."""
+    if weights.gate_table is not None:
+        return weights.gate_table[tokens]
+    embeds = F.embedding(tokens, weights.embedding).to(weights.weight_ih.dtype)
+    return F.linear(embeds, weights.weight_ih)
+
+
+def head_block_inputs(
+    base_logits: torch.Tensor,
+    draft_hidden: torch.Tensor,
+    anchor_embeds: torch.Tensor,
+    weights: DominoHeadWeights,
+    pool_size: int = 0,
+) -> DominoHeadBlock:
+    """What the slot loop needs of a block (`[M, S, V]` base logits, `[M, S, D]` hidden, `[M, D]` anchor embeds)."""
+    hidden_part = F.linear(draft_hidden, weights.down[:, : draft_hidden.shape[-1]])  # [M, S, R]
+    zeros = draft_hidden.new_zeros(draft_hidden.shape[0], weights.state_weight.shape[1])  # [M, G]
+    anchor_gates = F.linear(anchor_embeds.to(weights.weight_ih.dtype), weights.weight_ih)  # [M, 3G]
+    state = gru_cell(anchor_gates, zeros.new_zeros(zeros.shape[0], weights.weight_ih.shape[0]), zeros)
+    if not pool_size:
+        return DominoHeadBlock(hidden_part, state)
+    pool_ids = base_logits.topk(pool_size, dim=-1).indices  # [M, S, K]
+    pool_up = weights.up[pool_ids].to(base_logits.dtype)  # [M, S, K, R]
+    return DominoHeadBlock(hidden_part, state, pool_ids, base_logits.gather(-1, pool_ids), pool_up)
+
+
+def head_slot_loop(
+    base_logits: torch.Tensor,
+    block: DominoHeadBlock,
+    weights: DominoHeadWeights,
+    first_corrected: int,
+    choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part of a drafting round over the S slots of `[M, S, V]` base logits.
+
+    Per slot: one matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused), the
+    rank-R residual fused with the base-logit add (only over the slot's candidate pool when `block` has one: the
+    other tokens get -inf), a pick, and the GRU step on the picked token. Slots before `first_corrected`
+    (`pure_draft_prefix_len`) keep their base logits. `choose(s, logits)` returns `(token, logits it was drawn
+    from)`; `None` is greedy argmax with no Python callback, which is what makes the loop compilable (unrolled).
+    Returns `[M, S]` tokens and `[M, S, V]` logits.
+    """
+    num_slots, vocab_size = base_logits.shape[1:]
+    gate_size = weights.weight_ih.shape[0]
+    state, pooled = block.state, block.pool_ids is not None
+    tokens, logits = [], []
+    for slot in range(num_slots):
+        state_gates, state_part = F.linear(state, weights.state_weight).split(
+            [gate_size, weights.state_weight.shape[0] - gate_size], dim=-1
+        )
+        slot_logits, candidates = base_logits[:, slot], None  # candidates: the token ids slot_logits cover (None: all)
+        if slot >= first_corrected:
+            activation = F.silu(block.hidden_part[:, slot] + state_part).to(base_logits.dtype)  # [M, R]
+            if pooled:
+                candidates = block.pool_ids[:, slot]
+                slot_logits = block.pool_base[:, slot] + (block.pool_up[:, slot] @ activation[:, :, None]).squeeze(-1)
+                if choose is not None:  # processors and samplers see the whole vocabulary: -inf outside the pool
+                    vocab_logits = torch.full_like(base_logits[:, slot], float("-inf"))
+                    slot_logits = vocab_logits.scatter_(-1, candidates, slot_logits)
+                    candidates = None
+            else:
+                slot_logits = torch.addmm(slot_logits, activation, weights.up_columns)
+        if choose is None:  # greedy: pick inside the pool, spread its logits to the vocabulary once at the end
+            token = slot_logits.argmax(dim=-1)
+            if candidates is not None:
+                token = candidates.gather(-1, token[:, None]).squeeze(-1)
+        else:
+            token, slot_logits = choose(slot, slot_logits)
+        tokens.append(token)
+        logits.append(slot_logits)
+        if slot + 1 < num_slots:
+            state = gru_cell(gru_input_gates(weights, token), state_gates, state)
+    if pooled and choose is None and first_corrected < num_slots:
+        logits = _spread_pool_logits(logits, block.pool_ids, first_corrected, vocab_size)
+    return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+def greedy_head(
+    base_logits: torch.Tensor,
+    draft_hidden: torch.Tensor,
+    anchor_embeds: torch.Tensor,
+    weights: DominoHeadWeights,
+    first_corrected: int,
+    pool_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole greedy head of a block as one pure tensor function: what `compile_drafting` captures."""
+    block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
+    return head_slot_loop(base_logits, block, weights, first_corrected)
+
+
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+class _CompiledDrafting:
+    """What `DominoDraftModel.compile_drafting` builds: the compiled backbone and greedy head (not modules)."""
+
+    def __init__(self, backbone: Callable[..., torch.Tensor], mode: str, dynamic_backbone: bool):
+        self.mode, self.dynamic_backbone = mode, dynamic_backbone
+        # With dynamic shapes, CUDA graphs would still be recorded once per context length: compile without them.
+        backbone_mode = _WITHOUT_CUDA_GRAPHS.get(mode, mode) if dynamic_backbone else mode
+        self._backbone_graphs = backbone_mode in _WITHOUT_CUDA_GRAPHS
+        self._backbone = torch.compile(backbone, mode=backbone_mode, dynamic=dynamic_backbone)
+        self._greedy_head = torch.compile(greedy_head, mode=mode, dynamic=False)
+
+    def backbone(self, *args) -> torch.Tensor:
+        """`DominoDraftModel.backbone`, compiled."""
+        if not self._backbone_graphs:
+            return self._backbone(*args)
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._backbone(*args).clone()  # the head's graph must not read a buffer a later replay rewrites
+
+    def greedy_head(
+        self, base_logits, draft_hidden, anchor_embeds, weights: DominoHeadWeights, first_corrected: int, pool_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_head`, compiled; returns tensors the caller owns."""
+        for tensor in weights:
+            if tensor is not None:
+                # Weights keep their address across calls: CUDA graphs read them in place instead of copying them
+                # into the graph's input buffers every call (parameters are marked so by torch.compile already).
+                torch._dynamo.mark_static_address(tensor)
+        torch.compiler.cudagraph_mark_step_begin()  # a new drafting round: earlier graph outputs may be overwritten
+        inputs = (base_logits, draft_hidden, anchor_embeds, weights, first_corrected, pool_size)
+        tokens, logits = self._greedy_head(*inputs)
+        return tokens.clone(), logits.clone()  # the next replay overwrites a CUDA graph's outputs
 
 
 def block_attention_mask(
@@ -520,17 +698,31 @@ class DominoDraftModel(PreTrainedModel):
             cache[name] = (key, build())
         return cache[name][1]
 
-    def _gru_input_gates(self, embed_tokens: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        """token ids `[M]` -> GRU input gates `[M, 3G]`, from a vocabulary table when it is small enough to pay.
+    def _gru_input_table(self, embed_tokens: nn.Module) -> torch.Tensor | None:
+        """`E @ W_ih^T` (`[V, 3G]`): every token's GRU input gates, when small enough to pay; else `None`.
 
-        The table `E @ W_ih^T` (`[V, 3G]`) turns a per-step embedding lookup and matmul into one row lookup.
+        It turns a drafted token's embedding lookup and matmul into one row lookup.
         """
         weight_ih, embedding = self.prefix_gru.weight_ih_l0, embed_tokens.weight
         table_bytes = embedding.shape[0] * weight_ih.shape[0] * weight_ih.element_size()
         if torch.is_grad_enabled() or table_bytes > self.config.gru_input_table_max_bytes:
-            return lambda tokens: F.linear(embed_tokens(tokens).to(weight_ih.dtype), weight_ih)
-        table = self._derived("gru_input_table", (embedding, weight_ih), lambda: F.linear(embedding.to(weight_ih.dtype), weight_ih))
-        return lambda tokens: table[tokens]
+            return None
+        return self._derived("gru_input_table", (embedding, weight_ih), lambda: F.linear(embedding.to(weight_ih.dtype), weight_ih))
+
+    def _head_weights(self, embed_tokens: nn.Module, logits_dtype: torch.dtype) -> DominoHeadWeights:
+        """The head's weights in the slot loop's layouts, derived once per weight version (`_derived`)."""
+        weight_hh = self.prefix_gru.weight_hh_l0
+        down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
+        hidden_size = down.shape[1] - weight_hh.shape[1]
+        state_weight = self._derived("state_weight", (weight_hh, down), lambda: torch.cat([weight_hh, down[:, hidden_size:]]))
+        up_columns = None
+        if not self.config.head_candidate_pool:  # in the logits' dtype, so no slot converts [R, V] again
+            name = f"up_columns_{logits_dtype}"
+            up_columns = self._derived(name, (up,), lambda: up.t().to(logits_dtype).contiguous())  # [R, V]
+        gate_table = self._gru_input_table(embed_tokens)
+        return DominoHeadWeights(
+            self.prefix_gru.weight_ih_l0, embed_tokens.weight, gate_table, state_weight, down, up, up_columns
+        )
 
     def _head_loop(
         self,
@@ -540,68 +732,79 @@ class DominoDraftModel(PreTrainedModel):
         embed_tokens: nn.Module,
         choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequential drafting over the S slots of `[M, S, ...]` blocks: the only sequential part of a round.
+        """Sequential drafting over the S slots of `[M, S, ...]` blocks (eager): the only sequential part of a round.
 
-        Everything that does not depend on the drafted tokens is computed once per block: the hidden-state half of
-        the low-rank map for all slots, the GRU's input projection (`_gru_input_gates`), and the weight layouts.
-        Per slot remain one matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused),
-        the gates, and the rank-R vocabulary projection fused with the base-logit add. With
-        `config.head_candidate_pool = K` that projection covers only the K best base tokens of the slot (lossless:
-        the target verifies every draft); the other tokens get -inf.
+        Everything that does not depend on the drafted tokens is prepared once: weight layouts per weight version
+        (`_head_weights`: GRU input table, fused state weight, transposed residual projection), per block the
+        hidden-state half of the low-rank map, the anchor's GRU state and the candidate pools (`head_block_inputs`);
+        `head_slot_loop` then runs the slots. With `config.head_candidate_pool = K` each slot's residual covers only
+        its K best base tokens (lossless: the target verifies every draft); the other tokens get -inf.
 
         `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s; `None` is greedy argmax.
         Returns `[M, S]` tokens and `[M, S, V]` logits.
         """
-        num_slots = base_logits.shape[1]
         if not self.config.use_domino_head:
             choose = choose or _argmax_choice
-            tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(num_slots)))
+            tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(base_logits.shape[1])))
             return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+        weights = self._head_weights(embed_tokens, base_logits.dtype)
+        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, self.config.head_candidate_pool)
+        return head_slot_loop(base_logits, block, weights, self.config.pure_draft_prefix_len, choose)
 
-        hidden_size, gate_size = draft_hidden.shape[-1], 3 * self.config.gru_hidden_dim
-        down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
-        weight_hh = self.prefix_gru.weight_hh_l0
-        hidden_part = F.linear(draft_hidden, down[:, :hidden_size])  # [M, S, R]
-        state_weight = self._derived("state_weight", (weight_hh, down), lambda: torch.cat([weight_hh, down[:, hidden_size:]]))
-        input_gates = self._gru_input_gates(embed_tokens)
-        zeros = draft_hidden.new_zeros(draft_hidden.shape[0], self.config.gru_hidden_dim)
-        anchor_gates = F.linear(anchor_embeds.to(self.dtype), self.prefix_gru.weight_ih_l0)
-        state = gru_cell(anchor_gates, zeros.new_zeros(zeros.shape[0], gate_size), zeros)
+    def _greedy_head(
+        self,
+        base_logits: torch.Tensor,
+        draft_hidden: torch.Tensor,
+        anchor_embeds: torch.Tensor,
+        embed_tokens: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafting of a block: the compiled head after `compile_drafting`, else the eager `_head_loop`."""
+        compiled = self.__dict__.get("_compiled_drafting")
+        if compiled is None or not self.config.use_domino_head or torch.is_grad_enabled():
+            return self._head_loop(base_logits, draft_hidden, anchor_embeds, embed_tokens)
+        weights = self._head_weights(embed_tokens, base_logits.dtype)
+        config = self.config
+        return compiled.greedy_head(
+            base_logits, draft_hidden, anchor_embeds, weights, config.pure_draft_prefix_len, config.head_candidate_pool
+        )
 
-        pool_size = self.config.head_candidate_pool
-        if pool_size:
-            pool_ids = base_logits.topk(pool_size, dim=-1).indices  # [M, S, K]
-            pool_base = base_logits.gather(-1, pool_ids)
-            pool_up = up[pool_ids].to(base_logits.dtype)  # [M, S, K, R]
-        else:
-            up_columns = self._derived("up_columns", (up,), lambda: up.t().contiguous())  # [R, V]: fast GEMV
+    # ------------------------------------------------------------------ compiled drafting
 
-        tokens, logits = [], []
-        for slot in range(num_slots):
-            state_gates, state_part = F.linear(state, state_weight).split([gate_size, state_weight.shape[0] - gate_size], -1)
-            slot_logits = base_logits[:, slot]
-            if slot >= self.config.pure_draft_prefix_len:
-                activation = F.silu(hidden_part[:, slot] + state_part).to(base_logits.dtype)  # [M, R]
-                if pool_size:
-                    pool_logits = pool_base[:, slot] + (pool_up[:, slot] @ activation[:, :, None]).squeeze(-1)
-                    if choose is None:  # greedy: pick inside the pool, spread to the vocabulary once at the end
-                        token = pool_ids[:, slot].gather(-1, pool_logits.argmax(-1, keepdim=True)).squeeze(-1)
-                        tokens.append(token)
-                        logits.append(pool_logits)
-                        if slot + 1 < num_slots:
-                            state = gru_cell(input_gates(token), state_gates, state)
-                        continue
-                    slot_logits = torch.full_like(slot_logits, float("-inf")).scatter_(-1, pool_ids[:, slot], pool_logits)
-                else:
-                    slot_logits = torch.addmm(slot_logits, activation, up_columns.to(slot_logits.dtype))
-            token, slot_logits = (choose or _argmax_choice)(slot, slot_logits)
-            tokens.append(token)
-            logits.append(slot_logits)
-            if slot + 1 < num_slots:
-                state = gru_cell(input_gates(token), state_gates, state)
-        if pool_size and choose is None:
-            logits = _spread_pool_logits(logits, pool_ids, self.config.pure_draft_prefix_len)
-        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+    def compile_drafting(
+        self, mode: str | None = "reduce-overhead", dynamic_backbone: bool = True
+    ) -> "DominoDraftModel":
+        """Compile the drafting hot path with `torch.compile`: the backbone pass and the greedy head. Returns self.
+
+        The greedy head (`greedy_head`: per-block setup and the slot loop, unrolled over the block) has static
+        shapes, so `mode="reduce-overhead"` captures it in one CUDA graph on CUDA: one launch instead of about ten
+        per slot. The backbone's key length grows every round, so with `dynamic_backbone=True` it is compiled for
+        dynamic shapes and without CUDA graphs (which would record one graph per context length);
+        `dynamic_backbone=False` specializes it to each shape in `mode`, CUDA graphs included: for fixed-shape
+        benchmarks only, as every new context length recompiles.
+
+        `draft_block` then runs the compiled backbone on every call and the compiled head for plain greedy
+        drafting (no logits processor, no sampling); other calls keep the eager loop. Compiled kernels may round
+        differently, so a near-tie can flip a draft token; verification keeps decoding lossless either way.
+        Compilation happens on first use (seconds to minutes), again per batch size. The compiled functions are
+        plain attributes, not modules: nothing is saved, and `mode=None` goes back to eager drafting.
+        """
+        if mode is None:
+            self.__dict__.pop("_compiled_drafting", None)
+            return self
+        if mode not in _COMPILE_MODES:
+            raise ValueError(f"compile_drafting: mode must be one of {list(_COMPILE_MODES)} or None, got {mode!r}.")
+        self.__dict__["_compiled_drafting"] = _CompiledDrafting(self.backbone, mode, dynamic_backbone)
+        return self
+
+    @property
+    def is_drafting_compiled(self) -> bool:
+        """Whether `compile_drafting` is on."""
+        return "_compiled_drafting" in self.__dict__
+
+    def _drafting_backbone(self) -> Callable[..., torch.Tensor]:
+        """`backbone`, compiled after `compile_drafting`."""
+        compiled = self.__dict__.get("_compiled_drafting")
+        return self.backbone if compiled is None else compiled.backbone
 
     # ------------------------------------------------------------------ training forward
 
@@ -743,25 +946,14 @@ class DominoDraftModel(PreTrainedModel):
             mask = torch.cat([past_key_values.attention_mask, block_mask], dim=-1)[:, None, None, :]
         context = list(zip(past_key_values.keys, past_key_values.values))
         block_embeds = embed_tokens(block_ids)
-        hidden = self.backbone(block_embeds, position_ids, context, mask)
+        hidden = self._drafting_backbone()(block_embeds, position_ids, context, mask)
         draft_hidden = self._draft_slots(hidden)  # [B, S, D]
         base_logits = lm_head(draft_hidden.to(lm_head.weight.dtype)).float()  # [B, S, V]
-
-        drafted = prefix_ids
-
-        def choose(slot, slot_logits):
-            nonlocal drafted
-            if logits_processor is not None:
-                slot_logits = logits_processor(drafted, slot_logits)
-            token = select_token(slot_logits, do_sample, generator)
-            if drafted is not None:
-                drafted = torch.cat([drafted, token[:, None]], dim=-1)
-            return token, slot_logits
-
-        plain_greedy = logits_processor is None and not do_sample
-        tokens, logits = self._head_loop(
-            base_logits, draft_hidden, block_embeds[:, 0], embed_tokens, None if plain_greedy else choose
-        )
+        if logits_processor is None and not do_sample:
+            tokens, logits = self._greedy_head(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens)
+        else:
+            choose = _slot_chooser(prefix_ids, logits_processor, do_sample, generator)
+            tokens, logits = self._head_loop(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens, choose)
         return DominoDraft(tokens=tokens, logits=logits)
 
     def get_candidate_generator(
@@ -936,10 +1128,16 @@ __all__ = [
     "DominoContextCache",
     "DominoDraft",
     "DominoDraftModel",
+    "DominoHeadBlock",
+    "DominoHeadWeights",
     "DominoOutput",
     "block_attention_mask",
     "flex_block_attention_mask",
-    "install_generate_hook",
+    "greedy_head",
     "gru_cell",
+    "gru_input_gates",
+    "head_block_inputs",
+    "head_slot_loop",
+    "install_generate_hook",
     "select_token",
 ]

@@ -6,15 +6,20 @@ Times, at a context of `--context` tokens already in both KV caches (median over
 - target verify: one target forward of block_size + 1 tokens with hidden states (anchor + drafts);
 - draft context update: `extend_context` with the features of block_size + 1 new tokens (the most a round accepts);
 - draft backbone: one parallel pass over `[anchor, MASK...]` plus the target's LM head on its hidden states;
-- draft head loop: the greedy Domino head over the block (a GRU step and a low-rank map per slot);
+- draft head loop: the greedy Domino head over the block (a GRU step and a low-rank map per slot), as
+  `draft_block` runs it for greedy drafting;
+- draft argmax: plain argmax of the base logits, the selection a DFlash draft (no head) pays anyway;
 - draft round: `draft_block` appending those new features: context update + backbone + head loop.
 
-and derives the speedup a round can give at acceptance length tau (tokens committed per round):
+With `--compile`, the backbone, head loop and round are timed again after `draft.compile_drafting()` (keys
+`*_compiled`; on CUDA with the default mode the head loop runs as one captured CUDA graph).
+
+It derives the speedup a round can give at acceptance length tau (tokens committed per round):
 `speedup ~= tau * t_decode / (t_draft_round + t_verify)`, an upper bound that ignores the rest of the loop.
 
 Usage:
     python benchmarks/draft_cost.py --target tiny
-    python benchmarks/draft_cost.py --target qwen3-8b-shapes --device cuda --context 2048 --output qwen3_8b.json
+    python benchmarks/draft_cost.py --target qwen3-8b-shapes --device cuda --context 2048 --compile --output 8b.json
     python benchmarks/draft_cost.py --target /path/to/Qwen3-8B --draft-layers 5 --block-size 16
 
 Named targets are built with random weights from their config (`AutoModelForCausalLM.from_config`): timing
@@ -22,7 +27,6 @@ depends on shapes, not on weights.
 """
 
 import argparse
-import functools
 import inspect
 import json
 import os
@@ -59,6 +63,7 @@ PRESETS = {
 }  # fmt: skip
 TAUS = (2, 3, 4, 6, 8)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # compile_drafting's
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,13 +79,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("draft_cost.json"), help="results JSON (+ .md beside it)")
+    parser.add_argument("--compile", action="store_true", help="also time drafting after draft.compile_drafting()")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead")
+    parser.add_argument("--head-pool", type=int, default=0, help="config.head_candidate_pool (0: whole vocabulary)")
     args = parser.parse_args()
+    check_arguments(parser, args)
+    return args
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Argument checks shared with `gpu_check.py`."""
     if args.context <= args.block_size:
         parser.error(
             f"--context ({args.context}) must exceed --block-size ({args.block_size}): the verify pass and the "
             "draft's context update reuse its last block_size + 1 tokens"
         )
-    return args
 
 
 # ---------------------------------------------------------------------- models
@@ -125,6 +138,27 @@ def median_ms(
     return 1000 * statistics.median(times)
 
 
+class Timer:
+    """`timer(name, run, reset=None)`: `median_ms` of `run`, printed as it comes (long GPU runs show progress).
+
+    The first warmup call also pays any compilation, so it is reported apart as `first call`.
+    """
+
+    def __init__(self, device: str, repeats: int, warmup: int, verbose: bool = True):
+        self.device, self.repeats, self.warmup, self.verbose = device, repeats, max(warmup, 1), verbose
+        self.started = time.perf_counter()
+
+    def log(self, message: str) -> None:
+        if self.verbose:
+            print(f"[{time.perf_counter() - self.started:7.1f}s] {message}", flush=True)
+
+    def __call__(self, name: str, run: Callable[[], object], reset: Callable[[], None] | None = None) -> float:
+        first = median_ms(run, self.device, repeats=1, warmup=0, reset=reset)
+        ms = median_ms(run, self.device, self.repeats, self.warmup - 1, reset)
+        self.log(f"{name}: {ms:.3f} ms (first call {first:.1f} ms)")
+        return ms
+
+
 # ---------------------------------------------------------------------- measurements
 
 
@@ -142,18 +176,26 @@ def measure_target(target, context_ids: torch.Tensor, block_size: int, time_it: 
     verify_ids = context_ids[:, -(block_size + 1) :]  # any block_size + 1 tokens cost the same
     timings = {
         # crop(-n) drops the last n positions (a positive n is an absolute length before 5.18, an error after).
-        "target_decode": time_it(lambda: target_step(next_token), reset=lambda: target_cache.crop(-1)),
+        "target_decode": time_it("target_decode", lambda: target_step(next_token), lambda: target_cache.crop(-1)),
         "target_verify": time_it(
+            "target_verify",
             lambda: target_step(verify_ids, output_hidden_states=True),
-            reset=lambda: target_cache.crop(-(block_size + 1)),
+            lambda: target_cache.crop(-(block_size + 1)),
         ),
     }
     assert target_cache.get_seq_length() == context_ids.shape[1], "a reset missed a crop"
     return timings, prefill
 
 
-def measure_draft(draft: DominoDraftModel, target, prefill, time_it: Callable) -> dict[str, float]:
-    """Context update, backbone, head loop and a whole `draft_block` round, with the prefill's context cached."""
+def measure_draft(
+    draft: DominoDraftModel, target, prefill, time_it: Callable, suffix: str = "", shared: bool = True
+) -> dict[str, float]:
+    """Backbone, head loop and a whole `draft_block` round, with the prefill's context cached.
+
+    Backbone and head loop go through what `draft_block` runs (compiled after `draft.compile_drafting()`); `suffix`
+    names the variant in the keys (e.g. `draft_head_loop_compiled`). With `shared`, also the pieces no variant
+    changes: the context update and argmax of the base logits.
+    """
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     features = draft.fuse_target_hidden_states(prefill.hidden_states)  # [1, T, n_layers * D]
     context_length, block_size, device = features.shape[1], draft.config.block_size, features.device
@@ -173,55 +215,96 @@ def measure_draft(draft: DominoDraftModel, target, prefill, time_it: Callable) -
     def backbone():
         """One parallel pass over the block, then the target's LM head: the base logits of every slot."""
         block_embeds = embed_tokens(block_ids)
-        draft_hidden = draft._draft_slots(draft.backbone(block_embeds, block_positions, context))  # [1, S, D]
+        hidden = draft._drafting_backbone()(block_embeds, block_positions, context)
+        draft_hidden = draft._draft_slots(hidden)  # [1, S, D]
         return block_embeds, draft_hidden, lm_head(draft_hidden.to(lm_head.weight.dtype)).float()  # [1, S, V]
-
-    def greedy(slot: int, slot_logits: torch.Tensor):
-        return slot_logits.argmax(dim=-1), slot_logits
 
     def crop_new_context():
         draft_cache.crop(block_size + 1)
 
     block_embeds, draft_hidden, base_logits = backbone()
-    timings = {
-        "draft_context_update": time_it(
-            lambda: draft.extend_context(draft_cache, new_features, new_positions), reset=crop_new_context
+    timings = {}
+    if shared:
+        timings["draft_context_update"] = time_it(
+            "draft_context_update",
+            lambda: draft.extend_context(draft_cache, new_features, new_positions),
+            crop_new_context,
+        )
+        timings["draft_argmax"] = time_it("draft_argmax", lambda: base_logits.argmax(dim=-1))
+    timings |= {
+        f"draft_backbone{suffix}": time_it(f"draft_backbone{suffix}", backbone),
+        f"draft_head_loop{suffix}": time_it(
+            f"draft_head_loop{suffix}",
+            lambda: draft._greedy_head(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens),
         ),
-        "draft_backbone": time_it(backbone),
-        "draft_head_loop": time_it(
-            lambda: draft._head_loop(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens, greedy)
-        ),
-        "draft_round": time_it(
+        f"draft_round{suffix}": time_it(
+            f"draft_round{suffix}",
             lambda: draft.draft_block(
                 anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_positions
             ),
-            reset=crop_new_context,
+            crop_new_context,
         ),
     }
     assert draft_cache.get_seq_length() == context_length, "a reset missed a crop"
     return timings
 
 
-@torch.inference_mode()
-def measure(target, draft: DominoDraftModel, args: argparse.Namespace) -> dict[str, float]:
+def measure_compiled(draft: DominoDraftModel, target, prefill, time_it: Callable, mode: str) -> dict[str, float]:
+    """`measure_draft` after `draft.compile_drafting(mode)` (keys `*_compiled`); leaves the draft eager again."""
+    draft.compile_drafting(mode)
+    try:
+        return measure_draft(draft, target, prefill, time_it, suffix="_compiled", shared=False)
+    finally:
+        draft.compile_drafting(None)
+
+
+@torch.no_grad()  # what draft_block runs under (not inference_mode, which CUDA-graph capture handles less well)
+def measure(
+    target, draft: DominoDraftModel, args: argparse.Namespace, time_it: Callable | None = None
+) -> dict[str, float]:
     """Milliseconds of each piece of a speculative round, with `args.context` tokens already cached."""
-    time_it = functools.partial(median_ms, device=args.device, repeats=args.repeats, warmup=args.warmup)
+    time_it = time_it or Timer(args.device, args.repeats, args.warmup, verbose=False)
     generator = torch.Generator().manual_seed(args.seed)
     context_ids = torch.randint(0, draft.config.vocab_size, (1, args.context), generator=generator)
     timings, prefill = measure_target(target, context_ids.to(args.device), args.block_size, time_it)
-    return {**timings, **measure_draft(draft, target, prefill, time_it)}
+    timings |= measure_draft(draft, target, prefill, time_it)
+    if args.compile:
+        timings |= measure_compiled(draft, target, prefill, time_it, args.compile_mode)
+    return timings
 
 
-def derive(timings: dict[str, float], max_tau: int) -> tuple[dict[str, float], dict[str, float | None]]:
-    """Cost ratios, and the speedup bound per acceptance length (None where tau exceeds what a round can commit)."""
+def derive(
+    timings: dict[str, float], max_tau: int, taus: tuple[int, ...] = TAUS, suffix: str = ""
+) -> tuple[dict[str, float], dict[str, float | None]]:
+    """Cost ratios, and the speedup bound per acceptance length (None where tau exceeds what a round can commit).
+
+    `suffix` picks a variant of the draft timings (`"_compiled"`); the target's are shared.
+    """
+    head, draft_round = timings[f"draft_head_loop{suffix}"], timings[f"draft_round{suffix}"]
+    argmax = timings["draft_argmax"]
     ratios = {
         "verify_over_decode": timings["target_verify"] / timings["target_decode"],
-        "draft_round_over_verify": timings["draft_round"] / timings["target_verify"],
-        "head_loop_share_of_draft_round": timings["draft_head_loop"] / timings["draft_round"],
+        f"draft_round_over_verify{suffix}": draft_round / timings["target_verify"],
+        f"head_loop_share_of_draft_round{suffix}": head / draft_round,
+        # What the head adds over a DFlash draft, which picks argmax of the same base logits anyway.
+        f"head_loop_over_argmax{suffix}": head / argmax,
+        f"head_overhead_share_of_draft_round{suffix}": (head - argmax) / draft_round,
     }
-    round_ms = timings["draft_round"] + timings["target_verify"]
-    speedup = {str(tau): tau * timings["target_decode"] / round_ms if tau <= max_tau else None for tau in TAUS}
+    round_ms = draft_round + timings["target_verify"]
+    speedup = {str(tau): tau * timings["target_decode"] / round_ms if tau <= max_tau else None for tau in taus}
     return ratios, speedup
+
+
+def build_models(
+    target_name: str, dtype: torch.dtype, device: str, draft_layers: int, block_size: int, head_pool: int = 0
+) -> tuple[transformers.PreTrainedModel, DominoDraftModel]:
+    """The target (`load_target`) and a random draft matched to it, both built directly on `device`."""
+    target = load_target(target_name, dtype, device)
+    with torch.device(device):  # initialising ~1B draft parameters on the CPU would take longer than the GPU run
+        draft = DominoDraftModel.from_target(
+            target, num_hidden_layers=draft_layers, block_size=block_size, head_candidate_pool=head_pool
+        )
+    return target, draft.eval()
 
 
 # ---------------------------------------------------------------------- reporting
@@ -234,11 +317,24 @@ def environment(device: str) -> dict[str, str | int]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "accelerator": accelerator,
+        "cuda": torch.version.cuda or "none",
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def speedup_table(results: dict) -> list[str]:
+    """Markdown rows of the speedup bounds, one column per variant (`speedup_bound`, `speedup_bound_compiled`)."""
+    columns = {key: results[key] for key in results if key.startswith("speedup_bound")}
+    names = [key.removeprefix("speedup_bound").lstrip("_") or "eager" for key in columns]
+    header = "| tau | " + " | ".join(f"speedup ({name})" if len(names) > 1 else "speedup" for name in names) + " |"
+    rows = []
+    for tau in results["speedup_bound"]:
+        cells = ("n/a" if column[tau] is None else f"{column[tau]:.2f}x" for column in columns.values())
+        rows.append(f"| {tau} | " + " | ".join(cells) + " |")
+    return [header, "|---:|" + "---:|" * len(columns), *rows]
 
 
 def markdown(results: dict) -> str:
@@ -259,14 +355,27 @@ def markdown(results: dict) -> str:
         "",
         f"Speedup bound tau * t_decode / (t_draft_round + t_verify), tau <= {results['model']['max_tau']}:",
         "",
-        "| tau | speedup |",
-        "|---:|---:|",
-        *(
-            f"| {tau} | {'n/a' if value is None else f'{value:.2f}x'} |"
-            for tau, value in results["speedup_bound"].items()
-        ),
+        *speedup_table(results),
     ]
     return "\n".join(lines) + "\n"
+
+
+def model_summary(target, draft: DominoDraftModel) -> dict[str, int]:
+    head_parameters = sum(p.numel() for n, p in draft.named_parameters() if n.startswith(("prefix_gru", "embed_proj")))
+    return {
+        "target_parameters": target.num_parameters(),
+        "draft_parameters": draft.num_parameters(),
+        "head_parameters": head_parameters,
+        "num_draft_tokens": draft.config.num_draft_tokens,
+        "max_tau": draft.config.num_draft_tokens + 1,  # all drafts accepted, plus the target's own token
+    }
+
+
+def write_results(results: dict, report: str, output: Path) -> None:
+    """`output` (JSON) and the Markdown `report` beside it (`.md`)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    output.with_suffix(".md").write_text(report)
 
 
 def main() -> None:
@@ -276,32 +385,28 @@ def main() -> None:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores avoids OpenMP spin stalls
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    target = load_target(args.target, DTYPES[args.dtype], args.device)
-    draft = DominoDraftModel.from_target(target, num_hidden_layers=args.draft_layers, block_size=args.block_size).eval()
-    max_tau = draft.config.num_draft_tokens + 1  # all drafts accepted, plus the target's own token
+    target, draft = build_models(
+        args.target, DTYPES[args.dtype], args.device, args.draft_layers, args.block_size, args.head_pool
+    )
+    model = model_summary(target, draft)
 
-    timings = measure(target, draft, args)
-    ratios, speedup = derive(timings, max_tau)
-    head_parameters = sum(p.numel() for n, p in draft.named_parameters() if n.startswith(("prefix_gru", "embed_proj")))
+    timings = measure(target, draft, args, Timer(args.device, args.repeats, args.warmup))
+    ratios, speedup = derive(timings, model["max_tau"])
+    speedups = {"speedup_bound": speedup}
+    if args.compile:
+        compiled_ratios, speedups["speedup_bound_compiled"] = derive(timings, model["max_tau"], suffix="_compiled")
+        ratios |= compiled_ratios
     results = {
         "environment": environment(args.device),
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
-        "model": {
-            "target_parameters": target.num_parameters(),
-            "draft_parameters": draft.num_parameters(),
-            "head_parameters": head_parameters,
-            "num_draft_tokens": draft.config.num_draft_tokens,
-            "max_tau": max_tau,
-        },
+        "model": model,
         "timings_ms": timings,
         "ratios": ratios,
-        "speedup_bound": speedup,
+        **speedups,
     }
     report = markdown(results)
     print(report)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
-    args.output.with_suffix(".md").write_text(report)
+    write_results(results, report, args.output)
     print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
 
 

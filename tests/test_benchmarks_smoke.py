@@ -1,13 +1,22 @@
-"""Smoke test: the draft cost benchmark runs end to end at tiny shapes and writes complete results."""
+"""Smoke tests: the draft cost benchmark and the GPU check run end to end at tiny shapes on CPU and write complete
+results."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_cost.py"
-TIMINGS = ("target_decode", "target_verify", "draft_context_update", "draft_backbone", "draft_head_loop", "draft_round")
-RATIOS = ("verify_over_decode", "draft_round_over_verify", "head_loop_share_of_draft_round")
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARK = BENCHMARKS / "draft_cost.py"
+TIMINGS = (
+    "target_decode", "target_verify", "draft_context_update", "draft_backbone", "draft_head_loop", "draft_argmax",
+    "draft_round",
+)  # fmt: skip
+RATIOS = (
+    "verify_over_decode", "draft_round_over_verify", "head_loop_share_of_draft_round", "head_loop_over_argmax",
+    "head_overhead_share_of_draft_round",
+)  # fmt: skip
 
 
 def test_draft_cost_benchmark_writes_results(tmp_path):
@@ -33,3 +42,38 @@ def test_draft_cost_benchmark_writes_results(tmp_path):
     expected = 4 * timings["target_decode"] / (timings["draft_round"] + timings["target_verify"])
     assert abs(speedup["4"] - expected) < 1e-9 * expected
     assert "| tau | speedup |" in output.with_suffix(".md").read_text()
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("domino_gpu_check", BENCHMARKS / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
+    """The GPU check's CPU mode (no compilation, to stay fast): every variant timed, judged and written."""
+    output = tmp_path / "results" / "gpu_check.json"
+    results = load_gpu_check().main([
+        "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
+        "--context", "32", "--head-pools", "0", "8", "--repeats", "2", "--warmup", "1", "--output", str(output),
+    ])  # fmt: skip
+    assert json.loads(output.read_text()) == json.loads(json.dumps(results))
+    assert {"machine", "accelerator", "torch", "transformers"} <= set(results["environment"])
+    timings = results["timings_ms"]
+    assert all(timings[name] > 0 for name in TIMINGS)
+    assert timings["draft_head_loop_pool8"] > 0 and timings["draft_round_pool8"] > 0
+    assert set(results["variants"]) == {"eager", "pool8"}  # no compiled variants without compilation
+    for variant in results["variants"].values():
+        assert set(variant["checks"]) == {"head_loop_share_of_draft_round", "draft_round_over_verify"}
+        assert all(check["pass"] == (check["value"] <= check["target"]) for check in variant["checks"].values())
+        speedup = variant["speedup_bound"]
+        assert set(speedup) == {"4", "6", "8", "10"}
+        assert speedup["6"] is None and speedup["10"] is None  # a block of 4 commits at most 5 tokens
+    eager = results["variants"]["eager"]
+    expected = 4 * timings["target_decode"] / (timings["draft_round"] + timings["target_verify"])
+    assert abs(eager["speedup_bound"]["4"] - expected) < 1e-9 * expected
+    assert eager["checks"]["draft_round_over_verify"]["value"] == timings["draft_round"] / timings["target_verify"]
+    report = output.with_suffix(".md").read_text()
+    assert "| pool8 |" in report and ("PASS" in report or "FAIL" in report)
+    assert "| eager |" in capsys.readouterr().out

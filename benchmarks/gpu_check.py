@@ -1,0 +1,230 @@
+"""GPU check for issue 7, "Draft cost near the floor": is a Domino drafting round cheap next to a verify pass?
+
+One command on one GPU (sized to fit in 5 minutes on an H200, most of it compilation; not yet run on one):
+
+    python benchmarks/gpu_check.py
+
+On a lent device machine, write the results where they come back: `python benchmarks/gpu_check.py --output
+$OUT/gpu_check.json`, then copy them to `benchmarks/results/`. A CPU smoke run at tiny shapes (seconds):
+
+    python benchmarks/gpu_check.py --target tiny --device cpu --no-compile --context 64 --block-size 4
+
+With random weights at Qwen3-8B shapes (target: 36 layers, hidden 4096, vocabulary 151936; draft: 5 layers, block 16;
+bf16) and `--context` tokens in both KV caches, it times, with `draft_cost.py`'s functions: the target's decode step
+and verify pass (block + 1 = 17 tokens), the draft's context update, backbone, greedy head loop, argmax of the base
+logits (what a DFlash draft pays anyway) and whole round, eager and after `draft.compile_drafting()` (the head loop
+captured in a CUDA graph), for each head candidate pool in `--head-pools` (0: whole vocabulary).
+
+It prints the speedup bound tau * t_decode / (t_draft_round + t_verify) at tau = 4, 6, 8, 10 and pass/fail against the
+issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. Results (JSON + Markdown, with
+machine, GPU and versions) are rewritten after every stage, so a run cut short by a timeout keeps what it measured.
+"""
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
+import draft_cost  # noqa: E402
+
+TAUS = (4, 6, 8, 10)
+# Issue 7's targets: ratio name in `draft_cost.derive` -> the most it may be.
+TARGETS = {"head_loop_share_of_draft_round": 0.05, "draft_round_over_verify": 0.15}
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen3-8b-shapes", help=f"one of {sorted(draft_cost.PRESETS)}, or a folder")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["auto", *draft_cost.DTYPES], default="auto", help="auto: bf16 on GPU")
+    parser.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers (published: 5)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per drafted block (published: 16)")
+    parser.add_argument("--context", type=int, default=1024, help="tokens already in the KV caches")
+    parser.add_argument("--head-pools", type=int, nargs="+", default=[0, 64], help="head_candidate_pool values")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiled drafting")
+    parser.add_argument("--compile-mode", choices=draft_cost.COMPILE_MODES, default="reduce-overhead")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (the median is kept)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (the first also compiles)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="results JSON (+ .md beside it)")
+    args = parser.parse_args(argv)
+    draft_cost.check_arguments(parser, args)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    return args
+
+
+def variant_suffix(pool: int, compiled: bool) -> str:
+    """Key suffix of a drafting variant in the timings: `""`, `"_compiled"`, `"_pool64"`, `"_pool64_compiled"`."""
+    return (f"_pool{pool}" if pool else "") + ("_compiled" if compiled else "")
+
+
+def variant_name(suffix: str) -> str:
+    return suffix.lstrip("_") or "eager"
+
+
+def assess(timings: dict[str, float], max_tau: int, suffix: str) -> dict:
+    """Ratios, speedup bounds and pass/fail against `TARGETS` of one drafting variant."""
+    ratios, speedup = draft_cost.derive(timings, max_tau, TAUS, suffix)
+    checks = {}
+    for name, limit in TARGETS.items():
+        value = ratios[f"{name}{suffix}"]
+        checks[name] = {"value": value, "target": limit, "pass": value <= limit}
+    ratios = {name.removesuffix(suffix) if suffix else name: value for name, value in ratios.items()}
+    return {"ratios": ratios, "speedup_bound": speedup, "checks": checks}
+
+
+@torch.no_grad()  # as draft_cost.measure
+def measure(target, draft, args: argparse.Namespace, timer: draft_cost.Timer, report, errors: dict) -> dict[str, float]:
+    """Target, then every drafting variant; `report(timings)` saves what is measured so far after each stage.
+
+    A failure of compiled drafting lands in `errors` and keeps the eager results: one GPU run is too precious to
+    lose them.
+    """
+    generator = torch.Generator().manual_seed(args.seed)
+    context_ids = torch.randint(0, draft.config.vocab_size, (1, args.context), generator=generator)
+    timings, prefill = draft_cost.measure_target(target, context_ids.to(args.device), args.block_size, timer)
+    report(timings)
+    measure_variants(draft, target, prefill, args, timer, report, timings, compiled=False)
+    if not args.compile:
+        return timings
+    timer.log(f"compile_drafting({args.compile_mode!r}): each variant's first call compiles")
+    try:
+        draft.compile_drafting(args.compile_mode)
+        measure_variants(draft, target, prefill, args, timer, report, timings, compiled=True)
+    except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
+        traceback.print_exc()
+        errors["compiled"] = f"{type(error).__name__}: {error}"
+        report(timings)
+    finally:
+        draft.compile_drafting(None)
+    return timings
+
+
+def measure_variants(draft, target, prefill, args, timer, report, timings: dict[str, float], compiled: bool) -> None:
+    """`draft_cost.measure_draft` per head pool; compiled after `compile_drafting` (pools only recompile the head)."""
+    for index, pool in enumerate(args.head_pools):
+        draft.config.head_candidate_pool = pool
+        shared = not compiled and index == 0  # context update and argmax: the same for every variant
+        timings |= draft_cost.measure_draft(draft, target, prefill, timer, variant_suffix(pool, compiled), shared)
+        report(timings)
+
+
+def results_of(args: argparse.Namespace, model: dict, timings: dict[str, float], errors: dict, started: float) -> dict:
+    variants = {}
+    for compiled in (False, True):
+        for pool in args.head_pools:
+            suffix = variant_suffix(pool, compiled)
+            if f"draft_round{suffix}" in timings:
+                variants[variant_name(suffix)] = assess(timings, model["max_tau"], suffix)
+    return {
+        "environment": environment(args.device),
+        "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+        "model": model,
+        "targets": TARGETS,
+        "timings_ms": timings,
+        "variants": variants,
+        "errors": errors,
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def environment(device: str) -> dict:
+    env = draft_cost.environment(device)
+    if device.startswith("cuda"):
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+    return env
+
+
+def markdown(results: dict) -> str:
+    settings, timings, variants = results["settings"], results["timings_ms"], results["variants"]
+    pools = ", ".join(str(pool) for pool in settings["head_pools"])
+    lines = [
+        f"# GPU check (issue 7): {settings['target']}, draft {settings['draft_layers']} layers, block "
+        f"{settings['block_size']}, context {settings['context']}, {settings['dtype']} on {settings['device']}",
+        "",
+        ", ".join(f"{key} {value}" for key, value in results["environment"].items()),
+        "",
+        f"Head candidate pools {pools} (0: whole vocabulary); compiled: `draft.compile_drafting"
+        f"({settings['compile_mode']!r})`. Run took {results['elapsed_s']:.0f} s.",
+        "",
+        "| piece | median ms |",
+        "|---|---:|",
+        *(f"| {name} | {ms:.3f} |" for name, ms in timings.items()),
+        "",
+    ]
+    for name, error in results["errors"].items():
+        lines += [f"**{name} failed:** `{error}`", ""]
+    if variants:
+        lines += variant_table(results)
+    return "\n".join(lines) + "\n"
+
+
+def variant_table(results: dict) -> list[str]:
+    """Per drafting variant: round and head loop times, pass/fail against `TARGETS`, speedup bounds."""
+    timings = results["timings_ms"]
+    limits = {name: f"{100 * limit:.0f}%" for name, limit in TARGETS.items()}
+    lines = [
+        f"Targets: head loop <= {limits['head_loop_share_of_draft_round']} of a draft round, draft round <= "
+        f"{limits['draft_round_over_verify']} of a verify pass. Speedup bound: tau * t_decode / (t_draft_round + "
+        f"t_verify), tau <= {results['model']['max_tau']}.",
+        "",
+        "| variant | draft round ms | head loop ms | head share of round | round / verify | "
+        + " | ".join(f"tau {tau}" for tau in TAUS)
+        + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(TAUS),
+    ]
+    for name, variant in results["variants"].items():
+        suffix = "" if name == "eager" else f"_{name}"
+        checks = variant["checks"]
+        cells = [
+            f"{timings[f'draft_round{suffix}']:.3f}",
+            f"{timings[f'draft_head_loop{suffix}']:.3f}",
+            *(verdict(checks[check]) for check in TARGETS),
+            *("n/a" if value is None else f"{value:.2f}x" for value in variant["speedup_bound"].values()),
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def verdict(check: dict) -> str:
+    return f"{100 * check['value']:.1f}% {'PASS' if check['pass'] else 'FAIL'}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    timer = draft_cost.Timer(args.device, args.repeats, args.warmup)
+    timer.log(f"building {args.target} ({args.dtype}) and a {args.draft_layers}-layer draft on {args.device}")
+    target, draft = draft_cost.build_models(
+        args.target, draft_cost.DTYPES[args.dtype], args.device, args.draft_layers, args.block_size
+    )
+    model = draft_cost.model_summary(target, draft)
+    with torch.no_grad():  # with gradients on, the head never uses the table
+        model["gru_input_table"] = draft._gru_input_table(target.get_input_embeddings()) is not None
+
+    errors = {}
+
+    def report(timings: dict[str, float]) -> tuple[dict, str]:
+        results = results_of(args, model, timings, errors, started)
+        text = markdown(results)
+        draft_cost.write_results(results, text, args.output)
+        return results, text
+
+    results, text = report(measure(target, draft, args, timer, report, errors))
+    print(text)
+    print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["errors"] else 0)
