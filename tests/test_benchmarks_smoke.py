@@ -77,3 +77,17 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     report = output.with_suffix(".md").read_text()
     assert "| pool8 |" in report and ("PASS" in report or "FAIL" in report)
     assert "| eager |" in capsys.readouterr().out
+
+
+def test_train_throughput_benchmark_writes_results(tmp_path):
+    output = tmp_path / "train_throughput.json"
+    command = [
+        sys.executable, str(BENCHMARKS / "train_throughput.py"), "--target", "tiny", "--steps", "2", "--length", "64",
+        "--block-size", "4", "--num-anchors", "4", "--threads", "1", "--output", str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(output.read_text())["results"]
+    assert set(rows) == {"online features", "feature store", "feature store build (per sequence)"}
+    assert all(row["seconds_per_step"] > 0 and row["tokens_per_s"] > 0 for row in rows.values())
+    assert "| online features |" in output.with_suffix(".md").read_text()

@@ -1,0 +1,144 @@
+"""Training throughput of a Domino draft: sequence tokens per second through DominoTrainer.
+
+Runs a few optimizer steps on random sequences (the cost does not depend on the tokens) with the target's features
+computed online, and again with features precomputed into a FeatureStore (the target pass moved out of the step).
+Prints a table and writes JSON + Markdown.
+
+    python benchmarks/train_throughput.py --target tiny
+    python benchmarks/train_throughput.py --target ~/.cache/domino_spec/targets/smollm2-135m --draft-layers 1 \
+        --block-size 8 --num-anchors 32 --length 384 --steps 6
+"""
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+
+from domino_spec import DominoDraftModel
+from domino_spec.training.collator import DominoDataCollator
+from domino_spec.training.features import FeatureStore
+from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
+
+TINY = dict(
+    vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16,
+)  # fmt: skip
+
+
+def load_target(name: str) -> transformers.PreTrainedModel:
+    if name == "tiny":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+
+
+def random_dataset(vocab_size: int, count: int, length: int, prompt_length: int, seed: int) -> datasets.Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    rows = [
+        {
+            "input_ids": torch.randint(0, vocab_size, (length,), generator=generator).tolist(),
+            "loss_mask": [0] * prompt_length + [1] * (length - prompt_length),
+            "index": index,
+        }
+        for index in range(count)
+    ]
+    return datasets.Dataset.from_list(rows)
+
+
+def time_training(target, dataset, args, feature_store: FeatureStore | None) -> float:
+    """Seconds per optimizer step, after one untimed warmup step."""
+    torch.manual_seed(args.seed)
+    draft = DominoDraftModel.from_target(target, num_hidden_layers=args.draft_layers, block_size=args.block_size)
+    with tempfile.TemporaryDirectory() as output_dir:
+        training_args = DominoTrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=args.batch_size,
+            max_steps=args.steps + 1,
+            num_anchors=args.num_anchors,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=not torch.cuda.is_available(),
+            disable_tqdm=True,
+            logging_steps=10**6,
+        )
+        collator = DominoDataCollator(pad_token_id=0, num_anchors=args.num_anchors, feature_store=feature_store)
+        trainer = DominoTrainer(draft, target, training_args, train_dataset=dataset, data_collator=collator)
+        step_starts = []
+        trainer.add_callback(_StepClock(step_starts))
+        trainer.train()
+    return (step_starts[-1] - step_starts[0]) / (len(step_starts) - 1)
+
+
+class _StepClock(transformers.TrainerCallback):
+    def __init__(self, times: list[float]):
+        self.times = times
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="tiny", help="a local model folder, or `tiny` (random)")
+    parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-anchors", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--length", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=Path("train_throughput.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    dataset = random_dataset(vocab_size, args.batch_size * (args.steps + 1), args.length, args.length // 4, args.seed)
+    tokens_per_step = args.batch_size * args.length
+
+    online = time_training(target, dataset, args, None)
+    with tempfile.TemporaryDirectory() as store_dir:
+        layer_ids = DominoDraftModel.from_target(target, num_hidden_layers=args.draft_layers).config.target_layer_ids
+        start = time.perf_counter()
+        store = FeatureStore.build(target, dataset, layer_ids, store_dir)
+        feature_seconds = (time.perf_counter() - start) / len(dataset)
+        stored = time_training(target, dataset, args, store)
+    rows = {
+        "online features": {"seconds_per_step": online, "tokens_per_s": tokens_per_step / online},
+        "feature store": {"seconds_per_step": stored, "tokens_per_s": tokens_per_step / stored},
+        "feature store build (per sequence)": {"seconds_per_step": feature_seconds, "tokens_per_s": args.length / feature_seconds},
+    }
+    environment = {
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    lines = [
+        f"# Training throughput: {args.target}, {args.draft_layers} draft layer(s), block {args.block_size}, "
+        f"{args.num_anchors} anchors, batch {args.batch_size} x {args.length} tokens",
+        "",
+        ", ".join(f"{key} {value}" for key, value in environment.items()),
+        "",
+        "| mode | seconds per step | sequence tokens/s |",
+        "|---|---:|---:|",
+        *(f"| {mode} | {row['seconds_per_step']:.3f} | {row['tokens_per_s']:.1f} |" for mode, row in rows.items()),
+    ]
+    report = "\n".join(lines) + "\n"
+    print(report)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"settings": vars(args) | {"output": str(args.output)}, "environment": environment, "results": rows}, indent=2))
+    args.output.with_suffix(".md").write_text(report)
+    print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
