@@ -7,7 +7,7 @@ from conftest import tiny_draft, tiny_target
 
 from domino_spec import DominoContextCache
 from domino_spec.generation import speculative_generate
-from domino_spec.modeling_domino import greedy_head
+from domino_spec.head_domino import greedy_head
 
 
 def _draft_once(draft, target, input_ids, **kwargs):
