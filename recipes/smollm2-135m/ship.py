@@ -1,0 +1,50 @@
+"""Ship a trained draft: bf16 safetensors, config, model code and model card in `checkpoints/domino-smollm2-135m`.
+
+    python recipes/smollm2-135m/ship.py runs/smollm2/domino checkpoints/domino-smollm2-135m [--bench FILE]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from domino_spec import DominoDraftModel
+from domino_spec.assets import TARGETS
+from domino_spec.training.model_card import TRAINING_SUMMARY, main as write_card
+
+MAX_BYTES = 30 * 2**20  # the repository's budget for an embedded checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trained", help="the folder `domino-spec train` wrote")
+    parser.add_argument("output", help="the shipped checkpoint folder (replaced)")
+    parser.add_argument("--bench", default=None, help="bench_results.json to show on the card")
+    args = parser.parse_args()
+    draft = DominoDraftModel.from_pretrained(args.trained, dtype=torch.bfloat16)
+    draft.config.target_model_name = TARGETS["smollm2-135m"].hub_id  # the card's base_model
+    shutil.rmtree(args.output, ignore_errors=True)
+    draft.save_pretrained(args.output)
+    summary = os.path.join(args.trained, TRAINING_SUMMARY)
+    if os.path.exists(summary):
+        shutil.copy(summary, args.output)
+    card_args = [args.output, "--datasets", "anon8231489123/ShareGPT_Vicuna_unfiltered"]
+    if args.bench:  # the table and its context, without the generated texts
+        with open(args.bench, encoding="utf-8") as file:
+            bench = {k: v for k, v in json.load(file).items() if k not in ("texts", "references")}
+        trimmed = os.path.join(tempfile.mkdtemp(), "bench_results.json")
+        with open(trimmed, "w", encoding="utf-8") as file:
+            json.dump(bench, file, indent=1)
+        card_args += ["--bench", trimmed]
+    write_card(card_args)
+    weights = os.path.getsize(os.path.join(args.output, "model.safetensors"))
+    if weights > MAX_BYTES:
+        raise SystemExit(f"{args.output}/model.safetensors is {weights / 2**20:.1f} MiB, over the {MAX_BYTES // 2**20} MiB budget")
+    print(f"shipped {args.trained} -> {args.output} ({weights / 2**20:.1f} MiB bf16)")
+
+
+if __name__ == "__main__":
+    main()

