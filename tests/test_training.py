@@ -14,7 +14,7 @@ from conftest import tiny_draft, tiny_target, tiny_tokenizer
 
 from domino_spec.training.cli import parse_train_arguments
 from domino_spec.training.collator import DominoDataCollator, sample_anchors
-from domino_spec.training.data import load_prompts, load_training_dataset, summarize
+from domino_spec.training.data import check_vocabulary, load_prompts, load_training_dataset, summarize
 from domino_spec.training.loss import (
     IGNORE_INDEX,
     acceptance_length,
@@ -265,6 +265,9 @@ def test_training_dataset_masks_response_and_drops_duplicates(tmp_path):
     assert dataset[0]["input_ids"] == [1, 2, 3, 4, 5, 6]
     assert dataset[0]["loss_mask"] == [0, 0, 0, 1, 1, 1]
     assert summarize(dataset)["response_tokens"] == 3
+    check_vocabulary(dataset, vocab_size=7, data_path="d.jsonl")
+    with pytest.raises(ValueError, match="tokenized for another model"):
+        check_vocabulary(dataset, vocab_size=6, data_path="d.jsonl")
 
 
 def test_train_arguments_from_yaml_and_command_line(tmp_path):

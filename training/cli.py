@@ -153,7 +153,7 @@ def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTraini
 
 def train(argv: list[str]) -> None:
     from .collator import DominoDataCollator
-    from .data import load_training_dataset, summarize
+    from .data import check_vocabulary, load_training_dataset, summarize
     from .features import FeatureStore
     from .trainer import DominoTrainer
 
@@ -161,6 +161,7 @@ def train(argv: list[str]) -> None:
     set_seed(training_args.seed)
     target, tokenizer = load_target(draft_args.target, dtype=torch.float32 if not torch.cuda.is_available() else None)
     dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
+    check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], draft_args.data)
     print(json.dumps({"data": summarize(dataset)}, indent=2))
     draft = build_draft(draft_args, target, tokenizer)
     feature_store = None

@@ -279,6 +279,16 @@ def load_training_dataset(path: str, max_length: int = 3072, min_response_tokens
     return filtered.map(to_example, with_indices=True, remove_columns=filtered.column_names)
 
 
+def check_vocabulary(dataset, vocab_size: int, data_path: str) -> None:
+    """Raise `ValueError` if the data holds token ids the target does not have: another tokenizer made it."""
+    largest = max((max(ids) for ids in dataset["input_ids"] if ids), default=-1)
+    if largest >= vocab_size:
+        raise ValueError(
+            f"{data_path} holds token id {largest}, but the target's vocabulary has {vocab_size} tokens: the data was "
+            "tokenized for another model. Regenerate it with `domino-spec generate-data --target` this target."
+        )
+
+
 def summarize(dataset) -> dict:
     """Counts and lengths of a training dataset, for the log and the model card."""
     lengths = [len(ids) for ids in dataset["input_ids"]]
