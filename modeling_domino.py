@@ -854,6 +854,9 @@ class DominoCandidateGenerator(CandidateGenerator):
         logits = draft.logits[:, :num_candidates].to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), logits
 
+    def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
+        """Nothing to adapt: the block size is fixed (transformers 5.17's base class raises if not overridden)."""
+
     def _cut_at_stop(self, input_ids: torch.Tensor, tokens: torch.Tensor, num_candidates: int) -> int:
         """Stop proposing after an EOS draft, and before a draft that would complete a stop string.
 
