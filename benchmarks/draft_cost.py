@@ -188,13 +188,20 @@ def measure_target(target, context_ids: torch.Tensor, block_size: int, time_it: 
 
 
 def measure_draft(
-    draft: DominoDraftModel, target, prefill, time_it: Callable, suffix: str = "", shared: bool = True
+    draft: DominoDraftModel,
+    target,
+    prefill,
+    time_it: Callable,
+    suffix: str = "",
+    shared: bool = True,
+    drafted: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Backbone, head loop and a whole `draft_block` round, with the prefill's context cached.
 
     Backbone and head loop go through what `draft_block` runs (compiled after `draft.compile_drafting()`); `suffix`
     names the variant in the keys (e.g. `draft_head_loop_compiled`). With `shared`, also the pieces no variant
-    changes: the context update and argmax of the base logits.
+    changes: the context update and argmax of the base logits. With `drafted`, the tokens of one round land in it
+    under `suffix`, to compare variants that must draft the same tokens.
     """
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     features = draft.fuse_target_hidden_states(prefill.hidden_states)  # [1, T, n_layers * D]
@@ -219,6 +226,9 @@ def measure_draft(
         draft_hidden = draft._draft_slots(hidden)  # [1, S, D]
         return block_embeds, draft_hidden, lm_head(draft_hidden.to(lm_head.weight.dtype)).float()  # [1, S, V]
 
+    def draft_round():
+        return draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_positions)
+
     def crop_new_context():
         draft_cache.crop(block_size + 1)
 
@@ -237,14 +247,11 @@ def measure_draft(
             f"draft_head_loop{suffix}",
             lambda: draft._greedy_head(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens),
         ),
-        f"draft_round{suffix}": time_it(
-            f"draft_round{suffix}",
-            lambda: draft.draft_block(
-                anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_positions
-            ),
-            crop_new_context,
-        ),
+        f"draft_round{suffix}": time_it(f"draft_round{suffix}", draft_round, crop_new_context),
     }
+    if drafted is not None:
+        drafted[suffix] = draft_round().tokens.cpu()
+        crop_new_context()
     assert draft_cache.get_seq_length() == context_length, "a reset missed a crop"
     return timings
 

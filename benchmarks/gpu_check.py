@@ -1,6 +1,6 @@
 """GPU check for issue 7, "Draft cost near the floor": is a Domino drafting round cheap next to a verify pass?
 
-One command on one GPU (sized to fit in 5 minutes on an H200, most of it compilation; not yet run on one):
+One command on one GPU (on an H200 it took 66 s, most of it compilation; results in BENCHMARKS.md):
 
     python benchmarks/gpu_check.py
 
@@ -15,6 +15,8 @@ and verify pass (block + 1 = 17 tokens), the draft's context update, backbone, g
 logits (what a DFlash draft pays anyway) and whole round, eager and after `draft.compile_drafting()` (the head loop
 captured in a CUDA graph), for each head candidate pool in `--head-pools` (0: whole vocabulary).
 
+Each compiled variant's tokens of one round are compared with its eager counterpart's from the same state (in bf16,
+fused arithmetic may flip near-ties of a random-weight draft; drafts are verified, so this never changes outputs).
 It prints the speedup bound tau * t_decode / (t_draft_round + t_verify) at tau = 4, 6, 8, 10 and pass/fail against the
 issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. Results (JSON + Markdown, with
 machine, GPU and versions) are rewritten after every stage, so a run cut short by a timeout keeps what it measured.
@@ -81,23 +83,25 @@ def assess(timings: dict[str, float], max_tau: int, suffix: str) -> dict:
 
 
 @torch.no_grad()  # as draft_cost.measure
-def measure(target, draft, args: argparse.Namespace, timer: draft_cost.Timer, report, errors: dict) -> dict[str, float]:
+def measure(
+    target, draft, args: argparse.Namespace, timer: draft_cost.Timer, report, errors: dict, drafted: dict
+) -> dict[str, float]:
     """Target, then every drafting variant; `report(timings)` saves what is measured so far after each stage.
 
-    A failure of compiled drafting lands in `errors` and keeps the eager results: one GPU run is too precious to
-    lose them.
+    Each variant's tokens of one round land in `drafted`. A failure of compiled drafting lands in `errors` and keeps
+    the eager results: one GPU run is too precious to lose them.
     """
     generator = torch.Generator().manual_seed(args.seed)
     context_ids = torch.randint(0, draft.config.vocab_size, (1, args.context), generator=generator)
     timings, prefill = draft_cost.measure_target(target, context_ids.to(args.device), args.block_size, timer)
     report(timings)
-    measure_variants(draft, target, prefill, args, timer, report, timings, compiled=False)
+    measure_variants(draft, target, prefill, args, timer, report, timings, drafted, compiled=False)
     if not args.compile:
         return timings
     timer.log(f"compile_drafting({args.compile_mode!r}): each variant's first call compiles")
     try:
         draft.compile_drafting(args.compile_mode)
-        measure_variants(draft, target, prefill, args, timer, report, timings, compiled=True)
+        measure_variants(draft, target, prefill, args, timer, report, timings, drafted, compiled=True)
     except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
         traceback.print_exc()
         errors["compiled"] = f"{type(error).__name__}: {error}"
@@ -107,16 +111,30 @@ def measure(target, draft, args: argparse.Namespace, timer: draft_cost.Timer, re
     return timings
 
 
-def measure_variants(draft, target, prefill, args, timer, report, timings: dict[str, float], compiled: bool) -> None:
+def measure_variants(
+    draft, target, prefill, args, timer, report, timings: dict[str, float], drafted: dict, compiled: bool
+) -> None:
     """`draft_cost.measure_draft` per head pool; compiled after `compile_drafting` (pools only recompile the head)."""
     for index, pool in enumerate(args.head_pools):
         draft.config.head_candidate_pool = pool
         shared = not compiled and index == 0  # context update and argmax: the same for every variant
-        timings |= draft_cost.measure_draft(draft, target, prefill, timer, variant_suffix(pool, compiled), shared)
+        suffix = variant_suffix(pool, compiled)
+        timings |= draft_cost.measure_draft(draft, target, prefill, timer, suffix, shared, drafted)
         report(timings)
 
 
-def results_of(args: argparse.Namespace, model: dict, timings: dict[str, float], errors: dict, started: float) -> dict:
+def same_tokens_as_eager(drafted: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """Per compiled variant: did it draft the tokens its eager counterpart drafted from the same state?"""
+    return {
+        variant_name(suffix): torch.equal(tokens, drafted[suffix.removesuffix("_compiled")])
+        for suffix, tokens in drafted.items()
+        if suffix.endswith("_compiled")
+    }
+
+
+def results_of(
+    args: argparse.Namespace, model: dict, timings: dict[str, float], drafted: dict, errors: dict, started: float
+) -> dict:
     variants = {}
     for compiled in (False, True):
         for pool in args.head_pools:
@@ -130,6 +148,8 @@ def results_of(args: argparse.Namespace, model: dict, timings: dict[str, float],
         "targets": TARGETS,
         "timings_ms": timings,
         "variants": variants,
+        "compiled_same_tokens_as_eager": same_tokens_as_eager(drafted),
+        "drafted_tokens": {variant_name(suffix): tokens.tolist() for suffix, tokens in drafted.items()},
         "errors": errors,
         "elapsed_s": time.perf_counter() - started,
     }
@@ -161,6 +181,8 @@ def markdown(results: dict) -> str:
     ]
     for name, error in results["errors"].items():
         lines += [f"**{name} failed:** `{error}`", ""]
+    for name, same in results["compiled_same_tokens_as_eager"].items():
+        lines += [f"{name}: drafted {'the same tokens as' if same else 'OTHER tokens than'} eager from one state.", ""]
     if variants:
         lines += variant_table(results)
     return "\n".join(lines) + "\n"
@@ -212,15 +234,15 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():  # with gradients on, the head never uses the table
         model["gru_input_table"] = draft._gru_input_table(target.get_input_embeddings()) is not None
 
-    errors = {}
+    errors, drafted = {}, {}
 
     def report(timings: dict[str, float]) -> tuple[dict, str]:
-        results = results_of(args, model, timings, errors, started)
+        results = results_of(args, model, timings, drafted, errors, started)
         text = markdown(results)
         draft_cost.write_results(results, text, args.output)
         return results, text
 
-    results, text = report(measure(target, draft, args, timer, report, errors))
+    results, text = report(measure(target, draft, args, timer, report, errors, drafted))
     print(text)
     print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
     return results
