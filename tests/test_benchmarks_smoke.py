@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "draft_cost.py"
 TIMINGS = (
@@ -74,9 +76,18 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     expected = 4 * timings["target_decode"] / (timings["draft_round"] + timings["target_verify"])
     assert abs(eager["speedup_bound"]["4"] - expected) < 1e-9 * expected
     assert eager["checks"]["draft_round_over_verify"]["value"] == timings["draft_round"] / timings["target_verify"]
+    assert {name: len(tokens[0]) for name, tokens in results["drafted_tokens"].items()} == {"eager": 4, "pool8": 4}
+    assert results["compiled_same_tokens_as_eager"] == {}
     report = output.with_suffix(".md").read_text()
     assert "| pool8 |" in report and ("PASS" in report or "FAIL" in report)
     assert "| eager |" in capsys.readouterr().out
+
+
+def test_gpu_check_compares_each_compiled_variant_with_its_eager_one():
+    gpu_check = load_gpu_check()
+    block = torch.tensor([[5, 6, 7]])
+    drafted = {"": block, "_pool8": block, "_compiled": block.clone(), "_pool8_compiled": torch.tensor([[5, 9, 7]])}
+    assert gpu_check.same_tokens_as_eager(drafted) == {"compiled": True, "pool8_compiled": False}
 
 
 def test_train_throughput_benchmark_writes_results(tmp_path):
