@@ -2,7 +2,6 @@
 
 import json
 
-import torch
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
 
 from domino_spec.generation.bench import METHODS, run_bench, write_results

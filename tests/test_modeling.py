@@ -425,7 +425,7 @@ def test_draft_block_rejects_block_inputs():
 @pytest.mark.parametrize("anchor", [-1, SEQUENCE_LENGTH])
 def test_forward_rejects_anchors_outside_the_sequence(anchor):
     setup = make_setup()
-    with pytest.raises(ValueError, match=rf"anchor_positions must index the sequence: values in \[0, 23\]"):
+    with pytest.raises(ValueError, match=r"anchor_positions must index the sequence: values in \[0, 23\]"):
         setup.forward([4, anchor])
 
 

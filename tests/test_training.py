@@ -358,8 +358,8 @@ def test_hooked_features_equal_output_hidden_states(family):
 def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
     from domino_spec.training.features import FeatureStore, dataset_fingerprint
 
-    record = lambda i: {"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))}
-    _write_jsonl(tmp_path / "d.jsonl", [record(i) for i in range(5)])
+    records = [{"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))} for i in range(5)]
+    _write_jsonl(tmp_path / "d.jsonl", records)
     dataset = load_training_dataset(str(tmp_path / "d.jsonl"))
     target = tiny_target("llama")
     draft = tiny_draft(target).float()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped SmolLM2-135M draft and the README's results table on a CPU machine.
-# Every step is resumable: rerun the script after an interruption.
+# Rerun it after an interruption: regeneration and feature caching resume, finished drafts are kept.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUN=runs/smollm2
@@ -12,7 +12,12 @@ domino-spec generate-data --target smollm2-135m --prompts $RUN/prompts_2k.jsonl 
 domino-spec cache-features --config recipes/smollm2-135m/train.yaml --data $RUN/data.jsonl --output $RUN/features
 for variant in domino dflash; do
     head=$([ $variant = domino ] && echo true || echo false)
-    domino-spec train --config recipes/smollm2-135m/train.yaml --data $RUN/data.jsonl --features $RUN/features \
+    [ -f $RUN/$variant/model.safetensors ] || domino-spec train --config recipes/smollm2-135m/train.yaml --data $RUN/data.jsonl --features $RUN/features \
         --use_domino_head $head --output $RUN/$variant
 done
-domino-spec bench --domino $RUN/domino --dflash $RUN/dflash --limit 20 --quality --output $RUN/bench
+# Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
+python recipes/smollm2-135m/ship.py $RUN/domino checkpoints/domino-smollm2-135m
+python recipes/smollm2-135m/ship.py $RUN/dflash $RUN/dflash-bf16
+domino-spec bench --domino checkpoints/domino-smollm2-135m --dflash $RUN/dflash-bf16 --limit 10 --quality \
+    --output $RUN/bench
+python recipes/smollm2-135m/ship.py $RUN/domino checkpoints/domino-smollm2-135m --bench $RUN/bench/bench_results.json

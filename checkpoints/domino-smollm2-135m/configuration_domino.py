@@ -1,0 +1,171 @@
+"""Domino draft model configuration.
+
+This file is copied into every saved checkpoint (``trust_remote_code``), so it imports only
+torch and transformers.
+"""
+
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+# DFlash taps target layers evenly between these two: the first layer after the embeddings, and
+# the third from the end (the last layers specialise in the target's own next-token prediction).
+FIRST_TAPPED_LAYER = 1
+LAYERS_SKIPPED_AT_END = 3
+
+
+def default_target_layer_ids(num_target_layers: int, num_tapped_layers: int) -> list[int]:
+    """Evenly spaced target layers to tap, the DFlash recipe: 36 target and 5 tapped give [1, 9, 17, 25, 33]."""
+    if num_tapped_layers == 1:
+        return [num_target_layers // 2]
+    last = max(num_target_layers - LAYERS_SKIPPED_AT_END, FIRST_TAPPED_LAYER + num_tapped_layers - 1)
+    span = last - FIRST_TAPPED_LAYER
+    return [round(FIRST_TAPPED_LAYER + i * span / (num_tapped_layers - 1)) for i in range(num_tapped_layers)]
+
+
+def _check(condition: bool, field: str, value, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"DominoConfig.{field}={value!r} is invalid: expected {expected}.")
+
+
+class DominoConfig(PretrainedConfig):
+    r"""
+    Configuration of a [`DominoDraftModel`]: a DFlash-style parallel block drafter conditioned on a target
+    model's hidden states, plus the Domino causal correction head.
+
+    The draft reads the target's token embeddings and LM head at call time, so its `hidden_size` and
+    `vocab_size` are the target's. Defaults are the published Qwen3-8B draft (5 layers, block 16).
+    Use [`DominoDraftModel.from_target`] to build a config matched to any Hugging Face causal LM.
+
+    Example:
+
+    ```python
+    >>> from domino_spec import DominoConfig, DominoDraftModel
+    >>> config = DominoConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    ...                       num_key_value_heads=2, head_dim=16, vocab_size=100, num_target_layers=4,
+    ...                       mask_token_id=99, gru_hidden_dim=32, emb_dim=8)
+    >>> model = DominoDraftModel(config)
+    ```
+    """
+
+    model_type = "domino"
+    default_theta = 1_000_000.0
+
+    # Draft decoder layers (Qwen3 layout: pre-norm RMSNorm, q_norm/k_norm attention, SwiGLU MLP)
+    hidden_size: int = 4096  # width of the draft, equal to the target's (it shares its embeddings and LM head)
+    intermediate_size: int = 12288  # SwiGLU inner width
+    num_hidden_layers: int = 5  # draft decoder layers
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_parameters: RopeParameters | dict | None = None  # absolute RoPE, as the target's positions
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+
+    # The target this draft was built for
+    target_hidden_size: int | None = None  # the target's hidden size; defaults to hidden_size, must equal it
+    num_target_layers: int = 36  # decoder layers of the target
+    vocab_size: int = 151936  # rows of the target's embedding matrix and LM head
+    target_layer_ids: list[int] | None = None  # target layers whose outputs feed the draft; default evenly spaced
+    mask_token_id: int = 151669  # an unused embedding row of the target, fills the block after the anchor
+    target_model_name: str | None = None  # name or path of the target, for clear mismatch errors
+
+    # Block drafting
+    block_size: int = 16  # tokens per drafted block: the anchor plus block_size - 1 mask tokens
+    shift_label: bool = True  # block position i predicts token anchor + i + 1 (block_size drafts); else anchor + i
+
+    # Domino head: GRU over the block's tokens + low-rank residual on the logits
+    use_domino_head: bool = True  # False gives the DFlash backbone alone
+    gru_hidden_dim: int = 1024  # GRU state width
+    emb_dim: int = 256  # rank of the logit residual
+    pure_draft_prefix_len: int = 1  # the first drafts use base logits only
+
+    # Inference-time options of the head loop (no effect on weights or training)
+    head_candidate_pool: int = 0  # >0: correct only the K best base tokens per slot (0 = whole vocabulary)
+    gru_input_table_max_bytes: int = 256 * 2**20  # precompute E @ W_ih^T for the vocabulary when at most this big
+
+    def __post_init__(self, **kwargs):
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        super().__post_init__(**kwargs)
+        self.check()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens proposed per block (the verify pass reads one more: the anchor)."""
+        return self.block_size if self.shift_label else self.block_size - 1
+
+    def check(self) -> None:
+        """Raise `ValueError` naming the first invalid field."""
+        for field in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_target_layers",
+            "vocab_size",
+            "gru_hidden_dim",
+            "emb_dim",
+        ):
+            value = getattr(self, field)
+            _check(isinstance(value, int) and value > 0, field, value, "a positive integer")
+        _check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_key_value_heads",
+            self.num_key_value_heads,
+            f"a divisor of num_attention_heads={self.num_attention_heads}",
+        )
+        _check(
+            self.target_hidden_size == self.hidden_size,
+            "target_hidden_size",
+            self.target_hidden_size,
+            f"hidden_size={self.hidden_size}: the draft embeds with the target's embeddings and projects with its LM head",
+        )
+        _check(
+            isinstance(self.block_size, int) and self.block_size >= 2,
+            "block_size",
+            self.block_size,
+            "an integer >= 2 (the anchor plus at least one mask token)",
+        )
+        _check(
+            isinstance(self.target_layer_ids, (list, tuple))
+            and len(self.target_layer_ids) > 0
+            and all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
+            "target_layer_ids",
+            self.target_layer_ids,
+            f"a non-empty list of layer indices in [0, {self.num_target_layers - 1}] (num_target_layers={self.num_target_layers})",
+        )
+        _check(
+            isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
+            "mask_token_id",
+            self.mask_token_id,
+            f"a token id in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size})",
+        )
+        _check(
+            isinstance(self.pure_draft_prefix_len, int) and 0 <= self.pure_draft_prefix_len <= self.num_draft_tokens,
+            "pure_draft_prefix_len",
+            self.pure_draft_prefix_len,
+            f"an integer in [0, {self.num_draft_tokens}] (the number of drafts per block)",
+        )
+        _check(
+            0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
+        )
+        _check(
+            isinstance(self.head_candidate_pool, int) and 0 <= self.head_candidate_pool <= self.vocab_size,
+            "head_candidate_pool",
+            self.head_candidate_pool,
+            f"0 (off) or a pool size in [1, {self.vocab_size}]",
+        )
+
+
+# save_pretrained then writes `auto_map` and copies this file into the checkpoint.
+DominoConfig.register_for_auto_class()
+
+__all__ = ["DominoConfig", "default_target_layer_ids"]
