@@ -1,6 +1,8 @@
 """Domino: lossless speculative decoding with a parallel block drafter and a causal correction head."""
 
-from .configuration_domino import DominoConfig
-from .modeling_domino import DominoContextCache, DominoDraftModel
+# Absolute imports: pytest also imports this file as the top of the test tree, under the checkout folder's name,
+# which need not be a Python identifier (a clone into `ci-check`); the installed package resolves either way.
+from domino_spec.configuration_domino import DominoConfig
+from domino_spec.modeling_domino import DominoContextCache, DominoDraftModel
 
 __all__ = ["DominoConfig", "DominoContextCache", "DominoDraftModel"]
