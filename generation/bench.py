@@ -134,9 +134,9 @@ def run_bench(
     def prompt_ids(item: dict) -> torch.Tensor:
         return torch.tensor([prompt_token_ids(tokenizer, item["messages"], thinking)], device=target.device)
 
-    first_prompt = next(item for items in prompts.values() for item in items)
+    warmup_ids = prompt_ids(next(item for items in prompts.values() for item in items))
     for method in methods:  # untimed: no method pays the one-off costs of a first call (allocations, kernel choice)
-        decode(method, target, drafts, prompt_ids(first_prompt), WARMUP_TOKENS, eos, MethodRun())
+        decode(method, target, drafts, warmup_ids, WARMUP_TOKENS, eos, MethodRun())
     progress = tqdm(total=sum(len(p) for p in prompts.values()) * len(methods), desc="bench", unit="decode")
     for name, items in prompts.items():
         for item in items:
