@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import tiny_draft, tiny_target
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "draft_cost.py"
@@ -102,3 +103,24 @@ def test_train_throughput_benchmark_writes_results(tmp_path):
     assert set(rows) == {"online features", "feature store", "feature store build (per sequence)"}
     assert all(row["seconds_per_step"] > 0 and row["tokens_per_s"] > 0 for row in rows.values())
     assert "| online features |" in output.with_suffix(".md").read_text()
+
+
+def load_head_pool():
+    spec = importlib.util.spec_from_file_location("domino_head_pool", BENCHMARKS / "head_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_head_pool_benchmark_measures_every_pool_with_the_same_outputs():
+    head_pool = load_head_pool()
+    target = tiny_target()
+    draft = tiny_draft(target)
+    generator = torch.Generator().manual_seed(0)
+    prompts = {"a": [torch.randint(0, 128, (1, n), generator=generator) for n in (5, 9)], "b": [torch.tensor([[7, 8]])]}
+    rows = head_pool.pool_acceptance(target, draft, prompts, [4, 0], max_new_tokens=12)
+    assert [(row["eval_set"], row["pool"]) for row in rows] == [("a", 0), ("a", 4), ("b", 0), ("b", 4)]
+    assert all(row["identical_to_pool_0"] and row["mean_acceptance_length"] >= 1 for row in rows)
+    assert draft.config.head_candidate_pool == 0  # restored
+    results = {"target": "tiny", "draft": "random", "limit": 2, "max_new_tokens": 12, "environment": {}, "rows": rows}
+    assert "| a | " in head_pool.markdown(results) and "pool 4" in head_pool.markdown(results)

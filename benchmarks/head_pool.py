@@ -1,0 +1,136 @@
+"""Acceptance with the head's candidate pool: does restricting each slot's logit residual to its K best base tokens
+(`config.head_candidate_pool = K`) change what a trained draft proposes?
+
+    python benchmarks/head_pool.py                                   # the shipped SmolLM2 draft, pools 0 8 32 64
+    python benchmarks/head_pool.py --target DIR --draft DIR --pools 0 16 --limit 10
+
+Greedy decoding with the native engine, the same prompts (the bench's eval sets) for every pool; pool 0 is the whole
+vocabulary. The pool is lossless, since the target verifies every draft: the script checks that every pool's outputs
+equal pool 0's. Prints the mean acceptance length per eval set and pool, and writes JSON + Markdown with the machine
+and versions. What the pool saves in time is `draft_cost.py --head-pool K` (BENCHMARKS.md).
+"""
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from domino_spec import DominoDraftModel
+from domino_spec.generation import speculative_generate
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "head_pool_smollm2-135m.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2-135m", help="asset name or local model folder")
+    parser.add_argument("--draft", default=None, help="draft folder (default: the shipped SmolLM2 draft)")
+    parser.add_argument("--pools", type=int, nargs="+", default=[0, 8, 32, 64], help="head_candidate_pool values")
+    parser.add_argument("--eval-sets", default="mt-bench,humaneval,gsm-symbolic")
+    parser.add_argument("--limit", type=int, default=5, help="first N prompts of each eval set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="results JSON (+ .md beside it)")
+    args = parser.parse_args(argv)
+    if 0 not in args.pools:
+        parser.error("--pools must include 0 (the whole vocabulary): it is the reference of the output check")
+    return args
+
+
+@torch.no_grad()
+def pool_acceptance(
+    target, draft: DominoDraftModel, prompts: dict[str, list[torch.Tensor]], pools: list[int], max_new_tokens: int
+) -> list[dict]:
+    """Per eval set and pool: mean acceptance length, acceptance per draft position, and the output check."""
+    rows = []
+    progress = tqdm(total=sum(map(len, prompts.values())) * len(pools), desc="pools", unit="decode")
+    original_pool = draft.config.head_candidate_pool
+    try:
+        for name, prompt_ids in prompts.items():
+            reference = None
+            for pool in sorted(pools):  # 0 first: the reference
+                draft.config.head_candidate_pool = pool
+                lengths, outputs = [], []
+                for input_ids in prompt_ids:
+                    output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens)
+                    lengths += output.acceptance_lengths[0]
+                    outputs.append(output.sequences)
+                    progress.update(1)
+                reference = reference or outputs
+                rows.append({
+                    "eval_set": name,
+                    "pool": pool,
+                    "mean_acceptance_length": sum(lengths) / len(lengths),
+                    "rounds": len(lengths),
+                    "identical_to_pool_0": all(map(torch.equal, outputs, reference)),
+                })  # fmt: skip
+    finally:
+        draft.config.head_candidate_pool = original_pool
+        progress.close()
+    return rows
+
+
+def markdown(results: dict) -> str:
+    pools = sorted({row["pool"] for row in results["rows"]})
+    sets = list(dict.fromkeys(row["eval_set"] for row in results["rows"]))
+    tau = {(row["eval_set"], row["pool"]): row["mean_acceptance_length"] for row in results["rows"]}
+    lines = [
+        f"# Head candidate pool: acceptance of {results['draft']} on {results['target']}",
+        "",
+        f"Greedy, native engine, {results['limit']} prompts per set, max_new_tokens {results['max_new_tokens']}; "
+        + ", ".join(f"{key} {value}" for key, value in results["environment"].items()),
+        "",
+        "Mean acceptance length (tau) per pool (0: whole vocabulary); every pool's outputs equal pool 0's: "
+        f"{all(row['identical_to_pool_0'] for row in results['rows'])}.",
+        "",
+        "| eval set | " + " | ".join(f"pool {pool}" for pool in pools) + " |",
+        "|---|" + "---:|" * len(pools),
+        *(f"| {name} | " + " | ".join(f"{tau[name, pool]:.3f}" for pool in pools) + " |" for name in sets),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from domino_spec.generation.demo import SHIPPED_DRAFT
+    from domino_spec.generation.eval_sets import eval_prompts
+    from domino_spec.training.cli import load_target
+    from domino_spec.training.data import prompt_token_ids
+
+    args = parse_args(argv)
+    target, tokenizer = load_target(args.target)
+    draft_dir = args.draft or SHIPPED_DRAFT
+    draft = DominoDraftModel.from_pretrained(draft_dir, dtype=target.dtype).to(target.device).eval()
+    prompts = {
+        name: [
+            torch.tensor([prompt_token_ids(tokenizer, item["messages"])], device=target.device)
+            for item in eval_prompts(name, args.limit)
+        ]
+        for name in args.eval_sets.split(",")
+    }
+    results = {
+        "target": args.target,
+        "draft": str(draft_dir),
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "environment": {
+            "machine": platform.platform(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "rows": pool_acceptance(target, draft, prompts, args.pools, args.max_new_tokens),
+    }
+    text = markdown(results)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1))
+    args.output.with_suffix(".md").write_text(text)
+    print(text)
+    print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
