@@ -12,6 +12,7 @@ and versions. What the pool saves in time is `draft_cost.py --head-pool K` (BENC
 
 import argparse
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results = {
         "target": args.target,
-        "draft": str(draft_dir),
+        "draft": os.path.relpath(draft_dir),
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
         "environment": {
