@@ -317,6 +317,11 @@ def build_models(
 # ---------------------------------------------------------------------- reporting
 
 
+def environment_line(environment: dict) -> str:
+    """The machine and versions as the one Markdown line under a results title."""
+    return ", ".join(f"{key} {value}" for key, value in environment.items())
+
+
 def environment(device: str) -> dict[str, str | int]:
     accelerator = torch.cuda.get_device_name(device) if device.startswith("cuda") else "none"
     return {
@@ -350,7 +355,7 @@ def markdown(results: dict) -> str:
         f"# Draft cost: {settings['target']}, {settings['draft_layers']} draft layers, block {settings['block_size']}, "
         f"context {settings['context']}, {settings['dtype']} on {settings['device']}",
         "",
-        ", ".join(f"{key} {value}" for key, value in results["environment"].items()),
+        environment_line(results["environment"]),
         "",
         "| piece | median ms |",
         "|---|---:|",

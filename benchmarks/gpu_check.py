@@ -169,7 +169,7 @@ def markdown(results: dict) -> str:
         f"# GPU check (issue 7): {settings['target']}, draft {settings['draft_layers']} layers, block "
         f"{settings['block_size']}, context {settings['context']}, {settings['dtype']} on {settings['device']}",
         "",
-        ", ".join(f"{key} {value}" for key, value in results["environment"].items()),
+        draft_cost.environment_line(results["environment"]),
         "",
         f"Head candidate pools {pools} (0: whole vocabulary); compiled: `draft.compile_drafting"
         f"({settings['compile_mode']!r})`. Run took {results['elapsed_s']:.0f} s.",

@@ -13,15 +13,17 @@ and versions. What the pool saves in time is `draft_cost.py --head-pool K` (BENC
 import argparse
 import json
 import os
-import platform
+import sys
 from pathlib import Path
 
 import torch
-import transformers
 from tqdm.auto import tqdm
 
 from domino_spec import DominoDraftModel
 from domino_spec.generation import speculative_generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
+import draft_cost  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "head_pool_smollm2-135m.json"
 
@@ -82,7 +84,7 @@ def markdown(results: dict) -> str:
         f"# Head candidate pool: acceptance of {results['draft']} on {results['target']}",
         "",
         f"Greedy, native engine, {results['limit']} prompts per set, max_new_tokens {results['max_new_tokens']}; "
-        + ", ".join(f"{key} {value}" for key, value in results["environment"].items()),
+        + draft_cost.environment_line(results["environment"]),
         "",
         "Mean acceptance length (tau) per pool (0: whole vocabulary); every pool's outputs equal pool 0's: "
         f"{all(row['identical_to_pool_0'] for row in results['rows'])}.",
@@ -116,12 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": os.path.relpath(draft_dir),
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
-        "environment": {
-            "machine": platform.platform(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        "environment": draft_cost.environment(str(target.device)),
         "rows": pool_acceptance(target, draft, prompts, args.pools, args.max_new_tokens),
     }
     text = markdown(results)

@@ -11,7 +11,7 @@ Prints a table and writes JSON + Markdown.
 
 import argparse
 import json
-import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +24,9 @@ from domino_spec import DominoDraftModel
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.features import FeatureStore
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
+import draft_cost  # noqa: E402
 
 TINY = dict(
     vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -114,19 +117,12 @@ def main() -> None:
         "feature store": {"seconds_per_step": stored, "tokens_per_s": tokens_per_step / stored},
         "feature store build (per sequence)": {"seconds_per_step": feature_seconds, "tokens_per_s": args.length / feature_seconds},
     }
-    environment = {
-        "machine": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    environment = draft_cost.environment("cuda" if torch.cuda.is_available() else "cpu")  # where Trainer runs
     lines = [
         f"# Training throughput: {args.target}, {args.draft_layers} draft layer(s), block {args.block_size}, "
         f"{args.num_anchors} anchors, batch {args.batch_size} x {args.length} tokens",
         "",
-        ", ".join(f"{key} {value}" for key, value in environment.items()),
+        draft_cost.environment_line(environment),
         "",
         "| mode | seconds per step | sequence tokens/s |",
         "|---|---:|---:|",

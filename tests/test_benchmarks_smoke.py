@@ -1,14 +1,13 @@
 """Smoke tests: the draft cost benchmark and the GPU check run end to end at tiny shapes on CPU and write complete
 results."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from conftest import tiny_draft, tiny_target
+from conftest import load_benchmark, tiny_draft, tiny_target
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "draft_cost.py"
@@ -47,17 +46,10 @@ def test_draft_cost_benchmark_writes_results(tmp_path):
     assert "| tau | speedup |" in output.with_suffix(".md").read_text()
 
 
-def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("domino_gpu_check", BENCHMARKS / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     """The GPU check's CPU mode (no compilation, to stay fast): every variant timed, judged and written."""
     output = tmp_path / "results" / "gpu_check.json"
-    results = load_gpu_check().main([
+    results = load_benchmark("gpu_check").main([
         "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
         "--context", "32", "--head-pools", "0", "8", "--repeats", "2", "--warmup", "1", "--output", str(output),
     ])  # fmt: skip
@@ -85,7 +77,7 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
 
 
 def test_gpu_check_compares_each_compiled_variant_with_its_eager_one():
-    gpu_check = load_gpu_check()
+    gpu_check = load_benchmark("gpu_check")
     block = torch.tensor([[5, 6, 7]])
     drafted = {"": block, "_pool8": block, "_compiled": block.clone(), "_pool8_compiled": torch.tensor([[5, 9, 7]])}
     assert gpu_check.same_tokens_as_eager(drafted) == {"compiled": True, "pool8_compiled": False}
@@ -105,15 +97,8 @@ def test_train_throughput_benchmark_writes_results(tmp_path):
     assert "| online features |" in output.with_suffix(".md").read_text()
 
 
-def load_head_pool():
-    spec = importlib.util.spec_from_file_location("domino_head_pool", BENCHMARKS / "head_pool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_head_pool_benchmark_measures_every_pool_with_the_same_outputs():
-    head_pool = load_head_pool()
+    head_pool = load_benchmark("head_pool")
     target = tiny_target()
     draft = tiny_draft(target)
     generator = torch.Generator().manual_seed(0)

@@ -1,21 +1,12 @@
 """`benchmarks/decode.py` runs end to end at tiny shapes in a few seconds and writes its JSON and Markdown."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("domino_decode_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def test_decode_benchmark_smoke(tmp_path, capsys):
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("decode")
     report = benchmark.main([
         "--target", "tiny-qwen3", "--num-prompts", "2", "--prompt-length", "6", "--max-new-tokens", "10",
         "--block-size", "4", "--warmup", "0", "--output-dir", str(tmp_path), "--output-name", "smoke",
