@@ -13,10 +13,12 @@ With random weights at Qwen3-8B shapes (target: 36 layers, hidden 4096, vocabula
 bf16) and `--context` tokens in both KV caches, it times, with `draft_cost.py`'s functions: the target's decode step
 and verify pass (block + 1 = 17 tokens), the draft's context update, backbone, greedy head loop, argmax of the base
 logits (what a DFlash draft pays anyway) and whole round, eager and after `draft.compile_drafting()` (the head loop
-captured in a CUDA graph), for each head candidate pool in `--head-pools` (0: whole vocabulary).
+captured in a CUDA graph), for each head candidate pool in `--head-pools` (0: whole vocabulary), and for each pool
+with `config.fused_head_step` (one Triton kernel per slot; CUDA with Triton only, `--no-fused` skips it).
 
-Each compiled variant's tokens of one round are compared with its eager counterpart's from the same state (in bf16,
-fused arithmetic may flip near-ties of a random-weight draft; drafts are verified, so this never changes outputs).
+Each compiled or fused variant's tokens of one round are compared with those of the eager, unfused loop with the same
+pool from the same state (in bf16, fused arithmetic may flip near-ties of a random-weight draft; drafts are verified,
+so this never changes outputs).
 It prints the speedup bound tau * t_decode / (t_draft_round + t_verify) at tau = 4, 6, 8, 10 and pass/fail against the
 issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. Results (JSON + Markdown, with
 machine, GPU and versions) are rewritten after every stage, so a run cut short by a timeout keeps what it measured.
@@ -33,6 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
 import draft_cost  # noqa: E402
 
+from domino_spec import head_step_triton  # noqa: E402
+
 TAUS = (4, 6, 8, 10)
 # Issue 7's targets: ratio name in `draft_cost.derive` -> the most it may be.
 TARGETS = {"head_loop_share_of_draft_round": 0.05, "draft_round_over_verify": 0.15}
@@ -48,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per drafted block (published: 16)")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in the KV caches")
     parser.add_argument("--head-pools", type=int, nargs="+", default=[0, 64], help="head_candidate_pool values")
+    parser.add_argument(
+        "--no-fused", dest="fused_head_step", action="store_false", help="skip the fused head step (Triton) variants"
+    )
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiled drafting")
     parser.add_argument("--compile-mode", choices=draft_cost.COMPILE_MODES, default="reduce-overhead")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (the median is kept)")
@@ -62,9 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def variant_suffix(pool: int, compiled: bool) -> str:
-    """Key suffix of a drafting variant in the timings: `""`, `"_compiled"`, `"_pool64"`, `"_pool64_compiled"`."""
-    return (f"_pool{pool}" if pool else "") + ("_compiled" if compiled else "")
+def head_variants(args: argparse.Namespace) -> list[tuple[int, bool]]:
+    """`(pool, fused)` per head variant: each pool unfused, then each pool fused where the Triton kernel runs."""
+    fused = args.fused_head_step and head_step_triton.runs_on(torch.device(args.device))
+    return [(pool, False) for pool in args.head_pools] + [(pool, True) for pool in args.head_pools if pool and fused]
+
+
+def variant_suffix(pool: int, fused: bool, compiled: bool) -> str:
+    """Key suffix of a drafting variant in the timings: `""`, `"_compiled"`, `"_pool64"`, `"_pool64_fused_compiled"`."""
+    return (f"_pool{pool}" if pool else "") + ("_fused" if fused else "") + ("_compiled" if compiled else "")
 
 
 def variant_name(suffix: str) -> str:
@@ -114,21 +127,26 @@ def measure(
 def measure_variants(
     draft, target, prefill, args, timer, report, timings: dict[str, float], drafted: dict, compiled: bool
 ) -> None:
-    """`draft_cost.measure_draft` per head pool; compiled after `compile_drafting` (pools only recompile the head)."""
-    for index, pool in enumerate(args.head_pools):
-        draft.config.head_candidate_pool = pool
-        shared = not compiled and index == 0  # context update and argmax: the same for every variant
-        suffix = variant_suffix(pool, compiled)
-        timings |= draft_cost.measure_draft(draft, target, prefill, timer, suffix, shared, drafted)
-        report(timings)
+    """`draft_cost.measure_draft` per head variant; compiled after `compile_drafting` (variants recompile the head)."""
+    try:
+        for index, (pool, fused) in enumerate(head_variants(args)):
+            draft.config.head_candidate_pool, draft.config.fused_head_step = pool, fused
+            shared = not compiled and index == 0  # context update and argmax: the same for every variant
+            suffix = variant_suffix(pool, fused, compiled)
+            timings |= draft_cost.measure_draft(draft, target, prefill, timer, suffix, shared, drafted)
+            report(timings)
+    finally:
+        draft.config.head_candidate_pool, draft.config.fused_head_step = 0, False
 
 
 def same_tokens_as_eager(drafted: dict[str, torch.Tensor]) -> dict[str, bool]:
-    """Per compiled variant: did it draft the tokens its eager counterpart drafted from the same state?"""
+    """Per compiled or fused variant: did it draft the tokens the eager, unfused loop with its pool drafted from the
+    same state?"""
+    reference = {suffix: suffix.replace("_fused", "").removesuffix("_compiled") for suffix in drafted}
     return {
-        variant_name(suffix): torch.equal(tokens, drafted[suffix.removesuffix("_compiled")])
+        variant_name(suffix): torch.equal(tokens, drafted[reference[suffix]])
         for suffix, tokens in drafted.items()
-        if suffix.endswith("_compiled")
+        if reference[suffix] != suffix
     }
 
 
@@ -137,8 +155,8 @@ def results_of(
 ) -> dict:
     variants = {}
     for compiled in (False, True):
-        for pool in args.head_pools:
-            suffix = variant_suffix(pool, compiled)
+        for pool, fused in head_variants(args):
+            suffix = variant_suffix(pool, fused, compiled)
             if f"draft_round{suffix}" in timings:
                 variants[variant_name(suffix)] = assess(timings, model["max_tau"], suffix)
     return {
@@ -148,7 +166,7 @@ def results_of(
         "targets": TARGETS,
         "timings_ms": timings,
         "variants": variants,
-        "compiled_same_tokens_as_eager": same_tokens_as_eager(drafted),
+        "same_tokens_as_eager": same_tokens_as_eager(drafted),
         "drafted_tokens": {variant_name(suffix): tokens.tolist() for suffix, tokens in drafted.items()},
         "errors": errors,
         "elapsed_s": time.perf_counter() - started,
@@ -171,8 +189,9 @@ def markdown(results: dict) -> str:
         "",
         draft_cost.environment_line(results["environment"]),
         "",
-        f"Head candidate pools {pools} (0: whole vocabulary); compiled: `draft.compile_drafting"
-        f"({settings['compile_mode']!r})`. Run took {results['elapsed_s']:.0f} s.",
+        f"Head candidate pools {pools} (0: whole vocabulary); fused: `config.fused_head_step` (one Triton kernel per "
+        f"slot); compiled: `draft.compile_drafting({settings['compile_mode']!r})`. Run took "
+        f"{results['elapsed_s']:.0f} s.",
         "",
         "| piece | median ms |",
         "|---|---:|",
@@ -181,7 +200,7 @@ def markdown(results: dict) -> str:
     ]
     for name, error in results["errors"].items():
         lines += [f"**{name} failed:** `{error}`", ""]
-    for name, same in results["compiled_same_tokens_as_eager"].items():
+    for name, same in results["same_tokens_as_eager"].items():
         lines += [f"{name}: drafted {'the same tokens as' if same else 'OTHER tokens than'} eager from one state.", ""]
     if variants:
         lines += variant_table(results)

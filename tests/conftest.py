@@ -1,13 +1,25 @@
 """Tiny random targets and drafts, built with the real constructors; everything runs on CPU in seconds."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from domino_spec import DominoDraftModel
+if not torch.cuda.is_available():  # Triton kernels (the fused head step) then run in Triton's interpreter, on CPU;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported, which transformers' models do
+
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from domino_spec import DominoDraftModel  # noqa: E402
 
 # Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads fighting other processes
 # slow everything down by orders of magnitude.

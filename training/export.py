@@ -20,7 +20,13 @@ from .. import published_format
 from ..modeling_domino import DominoDraftModel
 
 # Root-level files a published folder needs for `trust_remote_code` loading in transformers.
-MODEL_FILES = ("modeling_domino.py", "configuration_domino.py", "head_domino.py", "published_format.py")
+MODEL_FILES = (
+    "modeling_domino.py",
+    "configuration_domino.py",
+    "head_domino.py",
+    "head_step_triton.py",
+    "published_format.py",
+)
 # Files of the source folder the model card reads; copied so `domino-spec card OUT` finds them too.
 CARD_INPUTS = ("training_summary.json", "bench_results.json")
 
