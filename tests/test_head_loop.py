@@ -11,18 +11,18 @@ from domino_spec.head_domino import greedy_head
 
 
 def _draft_once(draft, target, input_ids, **kwargs):
-    cache = DominoContextCache()
+    cache, device = DominoContextCache(), input_ids.device
     context = input_ids.shape[1] - 1
     with torch.no_grad():
         features = draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
     return draft.draft_block(
         input_ids[:, -1],
-        torch.full((input_ids.shape[0],), context),
+        torch.full((input_ids.shape[0],), context, device=device),
         cache,
         target.get_input_embeddings(),
         target.get_output_embeddings(),
         target_hidden=features[:, :context],
-        context_position_ids=torch.arange(context).expand(input_ids.shape[0], -1),
+        context_position_ids=torch.arange(context, device=device).expand(input_ids.shape[0], -1),
         **kwargs,
     )
 
