@@ -1,6 +1,10 @@
 """The fused head step (`config.fused_head_step`, one Triton kernel per slot) drafts what the unfused pooled loop
 drafts. Without CUDA the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
@@ -75,3 +79,44 @@ def test_fused_step_on_cpu_without_the_interpreter_names_the_fix(target_and_draf
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="fused_head_step = False"):
         _draft_once(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
+
+
+# Compiles every variant of the kernel (PICK x STEP) for an H100/H200 (sm_90) with the ptxas bundled in Triton, in a
+# process without TRITON_INTERPRET, and prints one line per variant.
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from domino_spec import head_step_triton
+
+kernel = head_step_triton._head_step_kernel
+names = kernel.arg_names
+sizes = dict(BLOCK_K=64, RANK_CHUNK=head_step_triton.RANK_CHUNK, STATE_CHUNK=head_step_triton.STATE_CHUNK,
+             ROWS_PER_PROGRAM=head_step_triton.ROWS_PER_PROGRAM)
+for weights in ("bf16", "fp32"):
+    for pick in (True, False):
+        for step in (True, False):
+            signature = {name: "i32" for name in names}
+            signature.update({name: f"*{weights}" for name in names if name.endswith("_ptr")})
+            signature.update(tokens_ptr="*i64", pool_ids_ptr="*i64", pool_logits_ptr="*fp32", pool_base_ptr="*fp32",
+                             pool_up_ptr="*fp32")
+            constants = dict(PICK=pick, STEP=step, **sizes)
+            signature.update({name: "constexpr" for name in constants})
+            source = ASTSource(kernel, signature, {(names.index(name),): value for name, value in constants.items()})
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+            print(weights, pick, step, len(compiled.asm["cubin"]) > 0)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the tests above compile it for the GPU at hand")
+def test_kernel_compiles_for_an_h100_without_a_gpu():
+    """Triton's interpreter accepts code its GPU compiler refuses: compile the kernel for sm_90 without a GPU."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default so far; set, it silences Triton 3.9's warning
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=environment, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    variants = [line.split() for line in result.stdout.splitlines()]
+    expected = [[w, p, s, "True"] for w in ("bf16", "fp32") for p in ("True", "False") for s in ("True", "False")]
+    assert variants == expected
