@@ -32,7 +32,7 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def runs_on(device: torch.device) -> bool:
+def kernel_runs_on(device: torch.device) -> bool:
     """Whether the kernel can run on tensors of `device`: CUDA with Triton, or any device in interpreter mode."""
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -156,4 +156,4 @@ def head_step(
     return next_projected, next_state
 
 
-__all__ = ["head_step", "runs_on", "triton_available"]
+__all__ = ["head_step", "kernel_runs_on", "triton_available"]

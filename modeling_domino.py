@@ -35,7 +35,6 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import ModelOutput
 
 from .configuration_domino import DominoConfig
-from . import head_step_triton
 from .head_domino import (
     COMPILE_MODES,
     CompiledDrafting,
@@ -46,6 +45,7 @@ from .head_domino import (
     head_slot_loop,
     slot_chooser,
 )
+from .head_step_triton import kernel_runs_on, triton_available
 from .published_format import check_checkpoint_folder, load_published, published_config_path
 
 # Shapes: B batch, N blocks per sequence, K block size, S drafts per block, T context length, D hidden,
@@ -567,10 +567,10 @@ class DominoDraftModel(PreTrainedModel):
                     "pool); set a pool (e.g. 64) or fused_head_step = False."
                 )
             device = self.prefix_gru.weight_hh_l0.device
-            if not head_step_triton.runs_on(device):
+            if not kernel_runs_on(device):
                 raise RuntimeError(
                     f"config.fused_head_step runs a Triton kernel on CUDA, but the draft is on {device} and Triton is "
-                    f"{'installed' if head_step_triton.triton_available() else 'not installed'}; set "
+                    f"{'installed' if triton_available() else 'not installed'}; set "
                     "config.fused_head_step = False there."
                 )
         return config.pure_draft_prefix_len, config.head_candidate_pool, config.fused_head_step

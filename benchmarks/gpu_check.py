@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def head_variants(args: argparse.Namespace) -> list[tuple[int, bool]]:
     """`(pool, fused)` per head variant: each pool unfused, then each pool fused where the Triton kernel runs."""
-    fused = args.fused_head_step and head_step_triton.runs_on(torch.device(args.device))
+    fused = args.fused_head_step and head_step_triton.kernel_runs_on(torch.device(args.device))
     return [(pool, False) for pool in args.head_pools] + [(pool, True) for pool in args.head_pools if pool and fused]
 
 

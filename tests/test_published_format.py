@@ -225,10 +225,11 @@ def test_unknown_export_format_lists_the_supported_ones(tmp_path, capsys):
 
 
 def test_remote_code_loading_in_a_fresh_process(tmp_path, target):
-    """save_pretrained copies published_format.py; AutoModel loads ours and the export, each from its own code."""
+    """save_pretrained copies the root files the model imports; AutoModel loads ours and the export, each from its own
+    code."""
     draft = tiny_draft(target)
     draft.save_pretrained(tmp_path / "ours")
-    assert (tmp_path / "ours" / "published_format.py").is_file()
+    assert {"published_format.py", "head_domino.py", "head_step_triton.py"} <= set(os.listdir(tmp_path / "ours"))
     export.export_sglang(str(tmp_path / "ours"), str(tmp_path / "sglang"))
     # transformers 5.17 refuses a remote model class for a config whose model_type is a built-in one ("qwen3", as the
     # published format requires); there the export loads with DominoDraftModel.from_pretrained instead.
