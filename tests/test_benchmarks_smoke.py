@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from conftest import load_benchmark, tiny_draft, tiny_target
 
+from domino_spec import head_step_triton
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "draft_cost.py"
 TIMINGS = (
@@ -58,8 +60,9 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     timings = results["timings_ms"]
     assert all(timings[name] > 0 for name in TIMINGS)
     assert timings["draft_head_loop_pool8"] > 0 and timings["draft_round_pool8"] > 0
-    # No compiled variants without compilation; the fused head step runs in Triton's interpreter (conftest).
-    assert set(results["variants"]) == {"eager", "pool8", "pool8_fused"}
+    # No compiled variants without compilation; on CPU the fused head step runs in Triton's interpreter (conftest).
+    fused = ["pool8_fused"] if head_step_triton.kernel_runs_on(torch.device("cpu")) else []
+    assert set(results["variants"]) == {"eager", "pool8", *fused}
     for variant in results["variants"].values():
         assert set(variant["checks"]) == {"head_loop_share_of_draft_round", "draft_round_over_verify"}
         assert all(check["pass"] == (check["value"] <= check["target"]) for check in variant["checks"].values())
@@ -70,12 +73,9 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     expected = 4 * timings["target_decode"] / (timings["draft_round"] + timings["target_verify"])
     assert abs(eager["speedup_bound"]["4"] - expected) < 1e-9 * expected
     assert eager["checks"]["draft_round_over_verify"]["value"] == timings["draft_round"] / timings["target_verify"]
-    assert {name: len(tokens[0]) for name, tokens in results["drafted_tokens"].items()} == {
-        "eager": 4,
-        "pool8": 4,
-        "pool8_fused": 4,
-    }
-    assert results["same_tokens_as_eager"] == {"pool8_fused": True}
+    drafted = results["drafted_tokens"]
+    assert {name: len(tokens[0]) for name, tokens in drafted.items()} == dict.fromkeys(["eager", "pool8", *fused], 4)
+    assert results["same_tokens_as_eager"] == dict.fromkeys(fused, True)
     report = output.with_suffix(".md").read_text()
     assert "| pool8 |" in report and ("PASS" in report or "FAIL" in report)
     assert "| eager |" in capsys.readouterr().out
