@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=1024, help="tokens already in the KV caches")
     parser.add_argument("--head-pools", type=int, nargs="+", default=[0, 64], help="head_candidate_pool values")
     parser.add_argument(
+        "--gru-input-table-mib",
+        type=int,
+        default=None,
+        help="config.gru_input_table_max_bytes in MiB (default 256: at Qwen3-8B shapes the 890 MiB table is skipped)",
+    )
+    parser.add_argument(
         "--no-fused", dest="fused_head_step", action="store_false", help="skip the fused head step (Triton) variants"
     )
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiled drafting")
@@ -190,7 +196,8 @@ def markdown(results: dict) -> str:
         draft_cost.environment_line(results["environment"]),
         "",
         f"Head candidate pools {pools} (0: whole vocabulary); fused: `config.fused_head_step` (one Triton kernel per "
-        f"slot); compiled: `draft.compile_drafting({settings['compile_mode']!r})`. Run took "
+        f"slot); compiled: `draft.compile_drafting({settings['compile_mode']!r})`; GRU input gate table "
+        f"{'used' if results['model']['gru_input_table'] else 'not used (too big)'}. Run took "
         f"{results['elapsed_s']:.0f} s.",
         "",
         "| piece | median ms |",
@@ -249,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     target, draft = draft_cost.build_models(
         args.target, draft_cost.DTYPES[args.dtype], args.device, args.draft_layers, args.block_size
     )
+    if args.gru_input_table_mib is not None:
+        draft.config.gru_input_table_max_bytes = args.gru_input_table_mib * 2**20
     model = draft_cost.model_summary(target, draft)
     with torch.no_grad():  # with gradients on, the head never uses the table
         model["gru_input_table"] = draft._gru_input_table(target.get_input_embeddings()) is not None

@@ -54,6 +54,7 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     results = load_benchmark("gpu_check").main([
         "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
         "--context", "32", "--head-pools", "0", "8", "--repeats", "2", "--warmup", "1", "--output", str(output),
+        "--gru-input-table-mib", "0",
     ])  # fmt: skip
     assert json.loads(output.read_text()) == json.loads(json.dumps(results))
     assert {"machine", "accelerator", "torch", "transformers"} <= set(results["environment"])
@@ -76,8 +77,9 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     drafted = results["drafted_tokens"]
     assert {name: len(tokens[0]) for name, tokens in drafted.items()} == dict.fromkeys(["eager", "pool8", *fused], 4)
     assert results["same_tokens_as_eager"] == dict.fromkeys(fused, True)
+    assert results["model"]["gru_input_table"] is False  # 0 MiB allowed: every variant projects its tokens' gates
     report = output.with_suffix(".md").read_text()
-    assert "| pool8 |" in report and ("PASS" in report or "FAIL" in report)
+    assert "| pool8 |" in report and ("PASS" in report or "FAIL" in report) and "table not used" in report
     assert "| eager |" in capsys.readouterr().out
 
 
