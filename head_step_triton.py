@@ -135,7 +135,7 @@ def head_step(
     pool_gates: torch.Tensor,
     state_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Finish slot `slot` (its pick when `pick`) and, when `step`, return slot + 1's `(projected, state)`.
+    """Finish slot `slot` (its pick when `pick`) and return slot + 1's `(projected, state)` (computed when `step`).
 
     Shapes as in `_head_step_kernel`; every tensor contiguous. Writes `tokens[:, slot]` and `pool_logits[:, slot]`
     when `pick`; otherwise the slot's token is the caller's `pool_ids[:, slot, 0]`.
@@ -143,8 +143,9 @@ def head_step(
     num_rows, gate_size = state.shape
     num_slots, pool_size, rank = pool_up.shape[1:]
     width = projected.shape[1]
-    next_projected = torch.empty_like(projected) if step else projected
-    next_state = torch.empty_like(state) if step else state
+    # Fresh even when not `step` (left unwritten then): no tensor is passed twice, which torch.compile would have to
+    # untangle for a kernel that writes its arguments.
+    next_projected, next_state = torch.empty_like(projected), torch.empty_like(state)
     tiles = triton.cdiv(width, ROWS_PER_PROGRAM) if step else 1
     _head_step_kernel[(num_rows, tiles)](
         projected, state, next_projected, next_state, tokens, pool_logits,
