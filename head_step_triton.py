@@ -68,7 +68,7 @@ if triton is not None:
         row, tile = tl.program_id(0), tl.program_id(1)
         writer = tile == 0  # one program writes the slot's outputs (all of them compute the same values)
         width = 3 * gate_size + rank
-        slot_row = row * num_slots + slot
+        slot_row = (row * num_slots + slot).to(tl.int64)  # offsets into [M, S, K, 3G] outgrow int32 at large M
         candidates = tl.arange(0, BLOCK_K)
         in_pool = candidates < pool_size
 
