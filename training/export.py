@@ -15,18 +15,11 @@ import shutil
 from collections.abc import Callable
 
 import torch
+from transformers.dynamic_module_utils import get_relative_import_files
 
-from .. import published_format
+from .. import modeling_domino, published_format
 from ..modeling_domino import DominoDraftModel
 
-# Root-level files a published folder needs for `trust_remote_code` loading in transformers.
-MODEL_FILES = (
-    "modeling_domino.py",
-    "configuration_domino.py",
-    "head_domino.py",
-    "head_step_triton.py",
-    "published_format.py",
-)
 # Files of the source folder the model card reads; copied so `domino-spec card OUT` finds them too.
 CARD_INPUTS = ("training_summary.json", "bench_results.json")
 
@@ -54,9 +47,11 @@ def export_sglang(draft_dir: str, output_dir: str) -> str:
         raise ValueError(f"{draft_dir} cannot be served by SGLang as exported: " + "; ".join(problems) + ".")
     auto_map = {"AutoModel": "modeling_domino.DominoDraftModel"}
     published_format.save_published(draft, output_dir, dtype=torch.bfloat16, auto_map=auto_map)
-    package_dir = os.path.dirname(os.path.abspath(published_format.__file__))
-    for name in MODEL_FILES:
-        shutil.copyfile(os.path.join(package_dir, name), os.path.join(output_dir, name))
+    # The files `trust_remote_code` loading needs: the model file and the root files it imports, as save_pretrained
+    # finds them.
+    modeling_file = os.path.abspath(modeling_domino.__file__)
+    for path in [modeling_file, *get_relative_import_files(modeling_file)]:
+        shutil.copyfile(path, os.path.join(output_dir, os.path.basename(path)))
     for name in CARD_INPUTS:
         source = os.path.join(draft_dir, name)
         if os.path.isfile(source) and os.path.abspath(source) != os.path.abspath(os.path.join(output_dir, name)):
