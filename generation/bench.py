@@ -131,6 +131,7 @@ def run_bench(
     eos = _eos_ids(target, tokenizer)
     eval_sets = list(prompts)
     runs = {name: {method: MethodRun() for method in methods} for name in eval_sets}
+
     def prompt_ids(item: dict) -> torch.Tensor:
         return torch.tensor([prompt_token_ids(tokenizer, item["messages"], thinking)], device=target.device)
 
