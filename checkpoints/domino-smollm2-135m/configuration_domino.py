@@ -85,6 +85,7 @@ class DominoConfig(PretrainedConfig):
 
     # Inference-time options of the head loop (no effect on weights or training)
     head_candidate_pool: int = 0  # >0: correct only the K best base tokens per slot (0 = whole vocabulary)
+    fused_head_step: bool = False  # greedy pooled drafting on CUDA: one Triton kernel per slot (needs a pool)
     gru_input_table_max_bytes: int = 256 * 2**20  # precompute E @ W_ih^T for the vocabulary when at most this big
 
     def __post_init__(self, **kwargs):
@@ -162,6 +163,12 @@ class DominoConfig(PretrainedConfig):
             "head_candidate_pool",
             self.head_candidate_pool,
             f"0 (off) or a pool size in [1, {self.vocab_size}]",
+        )
+        _check(
+            isinstance(self.fused_head_step, bool) and (self.head_candidate_pool > 0 or not self.fused_head_step),
+            "fused_head_step",
+            self.fused_head_step,
+            "False, or True together with head_candidate_pool > 0 (the fused step corrects a candidate pool)",
         )
 
 

@@ -4,7 +4,10 @@ Split into weight layouts (`DominoHeadWeights`, derived once per weight version 
 (`head_block_inputs`) and the slot loop (`head_slot_loop`). Tensors in, tensors out: the greedy head (`greedy_head`)
 has no Python callback, so `DominoDraftModel.compile_drafting` can capture it in one graph (`CompiledDrafting`).
 
-Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch.
+On CUDA, `fused_pooled_slot_loop` runs the greedy pooled loop as one Triton kernel per slot (`head_step_triton.py`).
+
+Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch (and Triton
+through `head_step_triton.py`, where it is installed).
 """
 
 from collections.abc import Callable
@@ -12,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .head_step_triton import head_step
 
 # Shapes: M rows (sequences, or blocks in training), S drafts per block, V vocabulary, D hidden, G GRU state,
 # R rank of the logit residual, K candidate pool.
@@ -48,14 +53,10 @@ def slot_chooser(
     return choose
 
 
-def _spread_pool_logits(
-    logits: list[torch.Tensor], pool_ids: torch.Tensor, start: int, vocab_size: int
-) -> list[torch.Tensor]:
-    """Vocabulary-wide logits of greedy pool slots (`[M, K]` from `start` on): -inf outside each slot's pool."""
-    shape = (pool_ids.shape[0], pool_ids.shape[1] - start, vocab_size)
-    spread = torch.full(shape, float("-inf"), dtype=logits[-1].dtype, device=pool_ids.device)
-    spread.scatter_(-1, pool_ids[:, start:], torch.stack(logits[start:], dim=1))
-    return logits[:start] + list(spread.unbind(1))
+def _spread_pool_logits(pool_logits: torch.Tensor, pool_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Vocabulary-wide logits `[M, S, V]` of pool logits `[M, S, K]` over token ids `pool_ids`: -inf elsewhere."""
+    spread = pool_logits.new_full((*pool_ids.shape[:2], vocab_size), float("-inf"))
+    return spread.scatter_(-1, pool_ids, pool_logits)
 
 
 def gru_cell(input_gates: torch.Tensor, state_gates: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -166,8 +167,35 @@ def head_slot_loop(
         if slot + 1 < num_slots:
             state = gru_cell(gru_input_gates(weights, token), state_gates, state)
     if pooled and choose is None and first_corrected < num_slots:
-        logits = _spread_pool_logits(logits, block.pool_ids, first_corrected, vocab_size)
+        pool_logits = torch.stack(logits[first_corrected:], dim=1)  # [M, S - first_corrected, K]
+        spread = _spread_pool_logits(pool_logits, block.pool_ids[:, first_corrected:], vocab_size)
+        logits = logits[:first_corrected] + list(spread.unbind(1))
     return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+def fused_pooled_slot_loop(
+    base_logits: torch.Tensor, block: DominoHeadBlock, weights: DominoHeadWeights, first_corrected: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_slot_loop` for greedy drafting with a candidate pool, one Triton launch per slot (`head_step_triton`).
+
+    Each pool token's GRU input gates are looked up (or projected) once per block instead of once per slot, so a
+    slot is the launch alone. Slots before `first_corrected` draft their base argmax: it goes first in their pool.
+    """
+    num_slots, vocab_size = base_logits.shape[1:]
+    pool_ids = block.pool_ids.clone()
+    pool_ids[:, :first_corrected, 0] = base_logits[:, :first_corrected].argmax(dim=-1)
+    pool_gates = gru_input_gates(weights, pool_ids).contiguous()  # [M, S, K, 3G]
+    tokens = pool_ids[:, :, 0].contiguous()  # [M, S]: the kernel overwrites the corrected slots'
+    pool_logits = torch.empty_like(block.pool_base)  # [M, S, K]
+    state = block.state.contiguous()
+    projected = F.linear(state, weights.state_weight)  # [M, 3G + R]: slot 0's, the only matmul outside the kernel
+    for slot in range(num_slots):
+        projected, state = head_step(
+            projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, tokens, pool_logits,
+            block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
+        )  # fmt: skip
+    spread = _spread_pool_logits(pool_logits[:, first_corrected:], pool_ids[:, first_corrected:], vocab_size)
+    return tokens, torch.cat([base_logits[:, :first_corrected], spread], dim=1)
 
 
 def greedy_head(
@@ -177,9 +205,15 @@ def greedy_head(
     weights: DominoHeadWeights,
     first_corrected: int,
     pool_size: int = 0,
+    fused_step: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole greedy head of a block as one pure tensor function: what `compile_drafting` captures."""
+    """The whole greedy head of a block as one pure tensor function: what `compile_drafting` captures.
+
+    `fused_step` (needs a pool) runs the slots with `fused_pooled_slot_loop` instead of `head_slot_loop`.
+    """
     block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
+    if fused_step:
+        return fused_pooled_slot_loop(base_logits, block, weights, first_corrected)
     return head_slot_loop(base_logits, block, weights, first_corrected)
 
 
@@ -206,7 +240,14 @@ class CompiledDrafting:
         return self._backbone(*args).clone()  # the head's graph must not read a buffer a later replay rewrites
 
     def greedy_head(
-        self, base_logits, draft_hidden, anchor_embeds, weights: DominoHeadWeights, first_corrected: int, pool_size: int
+        self,
+        base_logits: torch.Tensor,
+        draft_hidden: torch.Tensor,
+        anchor_embeds: torch.Tensor,
+        weights: DominoHeadWeights,
+        first_corrected: int,
+        pool_size: int,
+        fused_step: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy_head`, compiled; returns tensors the caller owns."""
         for tensor in weights:
@@ -215,7 +256,7 @@ class CompiledDrafting:
                 # into the graph's input buffers every call (parameters are marked so by torch.compile already).
                 torch._dynamo.mark_static_address(tensor)
         torch.compiler.cudagraph_mark_step_begin()  # a new drafting round: earlier graph outputs may be overwritten
-        inputs = (base_logits, draft_hidden, anchor_embeds, weights, first_corrected, pool_size)
+        inputs = (base_logits, draft_hidden, anchor_embeds, weights, first_corrected, pool_size, fused_step)
         tokens, logits = self._greedy_head(*inputs)
         return tokens.clone(), logits.clone()  # the next replay overwrites a CUDA graph's outputs
 
@@ -226,6 +267,7 @@ __all__ = [
     "DominoHeadBlock",
     "DominoHeadWeights",
     "argmax_choice",
+    "fused_pooled_slot_loop",
     "greedy_head",
     "gru_cell",
     "gru_input_gates",

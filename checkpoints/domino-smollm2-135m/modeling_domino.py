@@ -4,9 +4,10 @@ One forward over `[anchor, MASK x (block_size - 1)]`, conditioned on the target'
 logits for the whole block (paper eq. 1); a GRU over the block's tokens and a low-rank map add a causal
 residual to the logits (eq. 2-3), so the sequential part never re-runs the LM head.
 
-This file and the root files it imports (`configuration_domino.py`, `head_domino.py`, `published_format.py`) are
-copied into every saved checkpoint (`trust_remote_code`), so they import only torch and transformers. That includes
-the candidate generator behind `target.generate(..., assistant_model=draft)`.
+This file and the root files it imports (`configuration_domino.py`, `head_domino.py`, `head_step_triton.py`,
+`published_format.py`) are copied into every saved checkpoint (`trust_remote_code`), so they import only torch and
+transformers (and Triton where installed, for the optional fused head step). That includes the candidate generator
+behind `target.generate(..., assistant_model=draft)`.
 """
 
 import functools
@@ -39,10 +40,12 @@ from .head_domino import (
     CompiledDrafting,
     DominoHeadWeights,
     argmax_choice,
+    greedy_head,
     head_block_inputs,
     head_slot_loop,
     slot_chooser,
 )
+from .head_step_triton import kernel_runs_on, triton_available
 from .published_format import check_checkpoint_folder, load_published, published_config_path
 
 # Shapes: B batch, N blocks per sequence, K block size, S drafts per block, T context length, D hidden,
@@ -537,7 +540,8 @@ class DominoDraftModel(PreTrainedModel):
         (`_head_weights`: GRU input table, fused state weight, transposed residual projection), per block the
         hidden-state half of the low-rank map, the anchor's GRU state and the candidate pools (`head_block_inputs`);
         `head_slot_loop` then runs the slots. With `config.head_candidate_pool = K` each slot's residual covers only
-        its K best base tokens (lossless: the target verifies every draft); the other tokens get -inf.
+        its K best base tokens (lossless: the target verifies every draft); the other tokens get -inf. Greedy pooled
+        drafting with `config.fused_head_step` runs the slots as one Triton kernel each instead (CUDA).
 
         `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s; `None` is greedy argmax.
         Returns `[M, S]` tokens and `[M, S, V]` logits.
@@ -547,8 +551,29 @@ class DominoDraftModel(PreTrainedModel):
             tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(base_logits.shape[1])))
             return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
         weights = self._head_weights(embed_tokens, base_logits.dtype)
-        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, self.config.head_candidate_pool)
-        return head_slot_loop(base_logits, block, weights, self.config.pure_draft_prefix_len, choose)
+        config = self.config
+        if choose is None:
+            return greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *self._greedy_head_options())
+        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, config.head_candidate_pool)
+        return head_slot_loop(base_logits, block, weights, config.pure_draft_prefix_len, choose)
+
+    def _greedy_head_options(self) -> tuple[int, int, bool]:
+        """`greedy_head`'s `(first_corrected, pool_size, fused_step)` from the config, checked against this machine."""
+        config = self.config
+        if config.fused_head_step:
+            if not config.head_candidate_pool:
+                raise ValueError(
+                    "config.fused_head_step needs config.head_candidate_pool > 0 (the fused step corrects a candidate "
+                    "pool); set a pool (e.g. 64) or fused_head_step = False."
+                )
+            device = self.prefix_gru.weight_hh_l0.device
+            if not kernel_runs_on(device):
+                raise RuntimeError(
+                    f"config.fused_head_step runs a Triton kernel on CUDA, but the draft is on {device} and Triton is "
+                    f"{'installed' if triton_available() else 'not installed'}; set "
+                    "config.fused_head_step = False there."
+                )
+        return config.pure_draft_prefix_len, config.head_candidate_pool, config.fused_head_step
 
     def _greedy_head(
         self,
@@ -562,10 +587,7 @@ class DominoDraftModel(PreTrainedModel):
         if compiled is None or not self.config.use_domino_head or torch.is_grad_enabled():
             return self._head_loop(base_logits, draft_hidden, anchor_embeds, embed_tokens)
         weights = self._head_weights(embed_tokens, base_logits.dtype)
-        config = self.config
-        return compiled.greedy_head(
-            base_logits, draft_hidden, anchor_embeds, weights, config.pure_draft_prefix_len, config.head_candidate_pool
-        )
+        return compiled.greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *self._greedy_head_options())
 
     # ------------------------------------------------------------------ compiled drafting
 
