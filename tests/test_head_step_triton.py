@@ -1,6 +1,7 @@
 """The fused head step (`config.fused_head_step`, one Triton kernel per slot) drafts what the unfused pooled loop
 drafts. Without CUDA the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,95 @@ def test_fused_step_on_cpu_without_the_interpreter_names_the_fix(target_and_draf
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="fused_head_step = False"):
         _draft_once(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile runs user Triton kernels on GPUs only")
+def test_compiled_fused_step_drafts_the_eager_fused_tokens(target_and_draft):
+    target, draft = target_and_draft
+    draft.config.head_candidate_pool, draft.config.fused_head_step = 8, True
+    contexts = [torch.randint(0, 128, (2, n), device=DEVICE) for n in (9, 14)]
+    eager = [_draft_once(draft, target, input_ids) for input_ids in contexts]
+    draft.compile_drafting()
+    try:
+        for input_ids, expected in zip(contexts, eager):
+            compiled = _draft_once(draft, target, input_ids)
+            assert torch.equal(compiled.tokens, expected.tokens)
+            torch.testing.assert_close(compiled.logits, expected.logits, rtol=1e-4, atol=1e-4)
+    finally:
+        draft.compile_drafting(None)
+        torch._dynamo.reset()
+
+
+# torch.compile of the fused greedy head as `compile_drafting` runs it on an H100/H200, through functionalization (what
+# inductor receives), without a GPU. Two stand-ins, in their own process: dynamo makes Triton kernels graph nodes only
+# where it finds a GPU, and torch reads which arguments a kernel writes from its Triton IR for the current target (a
+# driver that names sm_90). Prints, per kernel node of the one graph, the arguments torch.compile treats as written.
+CAPTURE_FOR_SM90 = """
+import json
+import torch
+import torch.utils._triton
+import triton
+from conftest import tiny_draft, tiny_target
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+from domino_spec.head_domino import greedy_head
+
+
+class SM90Driver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+class Captured(Exception):
+    pass
+
+
+triton.runtime.driver.set_active(SM90Driver())
+torch.utils._triton.has_triton = lambda: True
+graphs = []
+
+
+def capture(graph, example_inputs):
+    graphs.append(graph)
+    raise Captured  # nothing runs: the kernel has no CPU backend
+
+
+target = tiny_target("qwen3")
+draft = tiny_draft(target, block_size=6)
+weights = draft._head_weights(target.get_input_embeddings(), torch.float32)
+size, vocab = draft.config.hidden_size, draft.config.vocab_size
+inputs = (torch.randn(2, 6, vocab), torch.randn(2, 6, size), torch.randn(2, size), weights, 1, 5, True)
+head = torch.compile(greedy_head, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=False)
+try:
+    with torch.no_grad():
+        head(*inputs)
+except torch._dynamo.exc.BackendCompilerFailed as error:
+    assert isinstance(error.inner_exception, Captured), error
+(graph,) = graphs
+kernels = [node for node in graph.graph.nodes if "triton_kernel_wrapper" in str(node.target)]
+print(json.dumps([sorted(node.kwargs["tensors_to_clone"]) for node in kernels]))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the compiled fused step runs for real (test above)")
+def test_torch_compile_captures_one_kernel_per_slot_that_writes_only_its_outputs():
+    """The fused head is one graph with one kernel per slot, and torch.compile copies none of the pool's tensors."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment["TRITON_INTERPRET"] = "0"  # conftest's default would be the interpreter, which dynamo cannot capture
+    environment["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", CAPTURE_FOR_SM90],
+        env=environment, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    written_per_slot = json.loads(result.stdout.splitlines()[-1])
+    first_corrected, num_slots = 1, 6
+    expected = []
+    for slot in range(num_slots):
+        picked = ["pool_logits_ptr", "tokens_ptr"] if slot >= first_corrected else []
+        stepped = ["next_projected_ptr", "next_state_ptr"] if slot + 1 < num_slots else []
+        expected.append(sorted(picked + stepped))
+    assert written_per_slot == expected
 
 
 # Compiles every variant of the kernel (PICK x STEP) for an H100/H200 (sm_90) with the ptxas bundled in Triton, in a
