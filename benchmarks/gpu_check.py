@@ -107,31 +107,27 @@ def measure(
 ) -> dict[str, float]:
     """Target, then every drafting variant; `report(timings)` saves what is measured so far after each stage.
 
-    Each variant's tokens of one round land in `drafted`. A failure of compiled drafting lands in `errors` and keeps
-    the eager results: one GPU run is too precious to lose them.
+    Each variant's tokens of one round land in `drafted`. A variant that fails (a kernel or a compiler the GPU at hand
+    refuses) lands in `errors` under its name and the others still run: one GPU run is too precious to lose them.
     """
     generator = torch.Generator().manual_seed(args.seed)
     context_ids = torch.randint(0, draft.config.vocab_size, (1, args.context), generator=generator)
     timings, prefill = draft_cost.measure_target(target, context_ids.to(args.device), args.block_size, timer)
     report(timings)
-    measure_variants(draft, target, prefill, args, timer, report, timings, drafted, compiled=False)
+    measure_variants(draft, target, prefill, args, timer, report, timings, drafted, errors, compiled=False)
     if not args.compile:
         return timings
     timer.log(f"compile_drafting({args.compile_mode!r}): each variant's first call compiles")
+    draft.compile_drafting(args.compile_mode)
     try:
-        draft.compile_drafting(args.compile_mode)
-        measure_variants(draft, target, prefill, args, timer, report, timings, drafted, compiled=True)
-    except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
-        traceback.print_exc()
-        errors["compiled"] = f"{type(error).__name__}: {error}"
-        report(timings)
+        measure_variants(draft, target, prefill, args, timer, report, timings, drafted, errors, compiled=True)
     finally:
         draft.compile_drafting(None)
     return timings
 
 
 def measure_variants(
-    draft, target, prefill, args, timer, report, timings: dict[str, float], drafted: dict, compiled: bool
+    draft, target, prefill, args, timer, report, timings: dict[str, float], drafted: dict, errors: dict, compiled: bool
 ) -> None:
     """`draft_cost.measure_draft` per head variant; compiled after `compile_drafting` (variants recompile the head)."""
     try:
@@ -139,7 +135,11 @@ def measure_variants(
             draft.config.head_candidate_pool, draft.config.fused_head_step = pool, fused
             shared = not compiled and index == 0  # context update and argmax: the same for every variant
             suffix = variant_suffix(pool, fused, compiled)
-            timings |= draft_cost.measure_draft(draft, target, prefill, timer, suffix, shared, drafted)
+            try:
+                timings |= draft_cost.measure_draft(draft, target, prefill, timer, suffix, shared, drafted)
+            except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
+                traceback.print_exc()
+                errors[variant_name(suffix)] = f"{type(error).__name__}: {error}"
             report(timings)
     finally:
         draft.config.head_candidate_pool, draft.config.fused_head_step = 0, False

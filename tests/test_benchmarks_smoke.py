@@ -83,6 +83,20 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     assert "| eager |" in capsys.readouterr().out
 
 
+def test_gpu_check_records_a_failing_variant_and_measures_the_others(tmp_path):
+    """A pool over the tiny preset's vocabulary (1024 tokens) fails its variants; the run measures all the others."""
+    output = tmp_path / "gpu_check.json"
+    results = load_benchmark("gpu_check").main([
+        "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
+        "--context", "16", "--head-pools", "0", "2000", "8", "--repeats", "1", "--warmup", "0", "--output", str(output),
+    ])  # fmt: skip
+    fused = head_step_triton.kernel_runs_on(torch.device("cpu"))
+    assert set(results["errors"]) == {"pool2000", *(["pool2000_fused"] if fused else [])}
+    assert "RuntimeError" in results["errors"]["pool2000"]
+    assert set(results["variants"]) == {"eager", "pool8", *(["pool8_fused"] if fused else [])}
+    assert "**pool2000 failed:**" in output.with_suffix(".md").read_text()
+
+
 def test_gpu_check_compares_each_compiled_or_fused_variant_with_its_eager_unfused_one():
     gpu_check = load_benchmark("gpu_check")
     block, other = torch.tensor([[5, 6, 7]]), torch.tensor([[5, 9, 7]])
