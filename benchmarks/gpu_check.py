@@ -20,8 +20,11 @@ Each compiled or fused variant's tokens of one round are compared with those of 
 pool from the same state (in bf16, fused arithmetic may flip near-ties of a random-weight draft; drafts are verified,
 so this never changes outputs).
 It prints the speedup bound tau * t_decode / (t_draft_round + t_verify) at tau = 4, 6, 8, 10 and pass/fail against the
-issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. Results (JSON + Markdown, with
-machine, GPU and versions) are rewritten after every stage, so a run cut short by a timeout keeps what it measured.
+issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. With `--profile-head` it also
+records where each variant's head loop spends its time: the kernels (operators on CPU) of a few calls, by device time,
+so a head over its share shows whether the slots or the per-block setup (top-K, gate projection, spreading the pool's
+logits) cost. Results (JSON + Markdown, with machine, GPU and versions) are rewritten after every stage, so a run cut
+short by a timeout keeps what it measured.
 """
 
 import argparse
@@ -31,6 +34,8 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
 import draft_cost  # noqa: E402
@@ -38,6 +43,7 @@ import draft_cost  # noqa: E402
 from domino_spec import head_step_triton  # noqa: E402
 
 TAUS = (4, 6, 8, 10)
+PROFILED_CALLS, PROFILED_KERNELS = 5, 8  # --profile-head: head loop calls profiled, kernels kept per variant
 # Issue 7's targets: ratio name in `draft_cost.derive` -> the most it may be.
 TARGETS = {"head_loop_share_of_draft_round": 0.05, "draft_round_over_verify": 0.15}
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
@@ -62,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-fused", dest="fused_head_step", action="store_false", help="skip the fused head step (Triton) variants"
     )
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiled drafting")
+    parser.add_argument(
+        "--profile-head", action="store_true", help="also record each variant's head loop kernels by device time"
+    )
     parser.add_argument("--compile-mode", choices=draft_cost.COMPILE_MODES, default="reduce-overhead")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (the median is kept)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (the first also compiles)")
@@ -88,6 +97,42 @@ def variant_suffix(pool: int, fused: bool, compiled: bool) -> str:
 
 def variant_name(suffix: str) -> str:
     return suffix.lstrip("_") or "eager"
+
+
+class Timer(draft_cost.Timer):
+    """`draft_cost.Timer`; with `profile_head`, once it has timed a head loop it also profiles it (`head_kernels`)."""
+
+    def __init__(self, device: str, repeats: int, warmup: int, profile_head: bool):
+        super().__init__(device, repeats, warmup)
+        self.profile_head, self.head_kernels = profile_head, {}
+
+    def __call__(self, name: str, run, reset=None) -> float:
+        ms = super().__call__(name, run, reset)
+        if self.profile_head and name.startswith("draft_head_loop"):
+            try:  # the timing stands even where the profiler cannot run
+                self.head_kernels[variant_name(name.removeprefix("draft_head_loop"))] = kernel_times(run, self.device)
+            except Exception as error:  # noqa: BLE001
+                self.log(f"profiling {name} failed: {type(error).__name__}: {error}")
+        return ms
+
+
+def kernel_times(run, device: str) -> list[dict]:
+    """The costliest kernels of `run` (on CPU: operators), by self time over `PROFILED_CALLS` calls, per call."""
+    on_gpu = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as profiler:
+        for _ in range(PROFILED_CALLS):
+            run()
+        draft_cost.synchronize(device)
+    if on_gpu:
+        events = [(event, event.self_device_time_total) for event in profiler.key_averages()]
+        events = [(event, us) for event, us in events if event.device_type == DeviceType.CUDA and us > 0]
+    else:
+        events = [(event, event.self_cpu_time_total) for event in profiler.key_averages()]
+    events.sort(key=lambda pair: -pair[1])
+    return [
+        {"name": event.key, "launches": event.count / PROFILED_CALLS, "us": us / PROFILED_CALLS}
+        for event, us in events[:PROFILED_KERNELS]
+    ]
 
 
 def assess(timings: dict[str, float], max_tau: int, suffix: str) -> dict:
@@ -157,7 +202,8 @@ def same_tokens_as_eager(drafted: dict[str, torch.Tensor]) -> dict[str, bool]:
 
 
 def results_of(
-    args: argparse.Namespace, model: dict, timings: dict[str, float], drafted: dict, errors: dict, started: float
+    args: argparse.Namespace, model: dict, timer: Timer, timings: dict[str, float], drafted: dict, errors: dict,
+    started: float,
 ) -> dict:
     variants = {}
     for compiled in (False, True):
@@ -174,6 +220,7 @@ def results_of(
         "variants": variants,
         "same_tokens_as_eager": same_tokens_as_eager(drafted),
         "drafted_tokens": {variant_name(suffix): tokens.tolist() for suffix, tokens in drafted.items()},
+        "head_kernels": timer.head_kernels,
         "errors": errors,
         "elapsed_s": time.perf_counter() - started,
     }
@@ -211,6 +258,10 @@ def markdown(results: dict) -> str:
         lines += [f"{name}: drafted {'the same tokens as' if same else 'OTHER tokens than'} eager from one state.", ""]
     if variants:
         lines += variant_table(results)
+    for name, kernels in results["head_kernels"].items():
+        lines += ["", f"Head loop of {name}, costliest kernels per call:", "", "| kernel | launches | us |"]
+        lines.append("|---|---:|---:|")
+        lines += [f"| `{kernel['name'][:90]}` | {kernel['launches']:g} | {kernel['us']:.1f} |" for kernel in kernels]
     return "\n".join(lines) + "\n"
 
 
@@ -251,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    timer = draft_cost.Timer(args.device, args.repeats, args.warmup)
+    timer = Timer(args.device, args.repeats, args.warmup, args.profile_head)
     timer.log(f"building {args.target} ({args.dtype}) and a {args.draft_layers}-layer draft on {args.device}")
     target, draft = draft_cost.build_models(
         args.target, draft_cost.DTYPES[args.dtype], args.device, args.draft_layers, args.block_size
@@ -265,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     errors, drafted = {}, {}
 
     def report(timings: dict[str, float]) -> tuple[dict, str]:
-        results = results_of(args, model, timings, drafted, errors, started)
+        results = results_of(args, model, timer, timings, drafted, errors, started)
         text = markdown(results)
         draft_cost.write_results(results, text, args.output)
         return results, text

@@ -54,7 +54,7 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     results = load_benchmark("gpu_check").main([
         "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
         "--context", "32", "--head-pools", "0", "8", "--repeats", "2", "--warmup", "1", "--output", str(output),
-        "--gru-input-table-mib", "0",
+        "--gru-input-table-mib", "0", "--profile-head",
     ])  # fmt: skip
     assert json.loads(output.read_text()) == json.loads(json.dumps(results))
     assert {"machine", "accelerator", "torch", "transformers"} <= set(results["environment"])
@@ -78,8 +78,13 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     assert {name: len(tokens[0]) for name, tokens in drafted.items()} == dict.fromkeys(["eager", "pool8", *fused], 4)
     assert results["same_tokens_as_eager"] == dict.fromkeys(fused, True)
     assert results["model"]["gru_input_table"] is False  # 0 MiB allowed: every variant projects its tokens' gates
+    assert set(results["head_kernels"]) == set(results["variants"])  # --profile-head: on CPU, operators
+    for kernels in results["head_kernels"].values():
+        assert 0 < len(kernels) <= 8 and all(kernel["launches"] > 0 and kernel["us"] > 0 for kernel in kernels)
+        assert [kernel["us"] for kernel in kernels] == sorted((kernel["us"] for kernel in kernels), reverse=True)
     report = output.with_suffix(".md").read_text()
     assert "| pool8 |" in report and ("PASS" in report or "FAIL" in report) and "table not used" in report
+    assert "Head loop of pool8, costliest kernels per call:" in report
     assert "| eager |" in capsys.readouterr().out
 
 
