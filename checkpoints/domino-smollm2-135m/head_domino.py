@@ -94,7 +94,7 @@ class DominoHeadBlock(NamedTuple):
 
 
 def gru_input_gates(weights: DominoHeadWeights, tokens: torch.Tensor) -> torch.Tensor:
-    """GRU input gates `[M, 3G]` of token ids `[M]`: a table row, else the embedding row times W_ih."""
+    """GRU input gates `[..., 3G]` of token ids `[...]`: a table row, else the embedding row times W_ih."""
     if weights.gate_table is not None:
         return weights.gate_table[tokens]
     embeds = F.embedding(tokens, weights.embedding).to(weights.weight_ih.dtype)
