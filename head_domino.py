@@ -53,10 +53,14 @@ def slot_chooser(
     return choose
 
 
-def _spread_pool_logits(pool_logits: torch.Tensor, pool_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Vocabulary-wide logits `[M, S, V]` of pool logits `[M, S, K]` over token ids `pool_ids`: -inf elsewhere."""
-    spread = pool_logits.new_full((*pool_ids.shape[:2], vocab_size), float("-inf"))
-    return spread.scatter_(-1, pool_ids, pool_logits)
+def _greedy_pool_logits(
+    base_logits: torch.Tensor, pool_logits: torch.Tensor, pool_ids: torch.Tensor, first_corrected: int
+) -> torch.Tensor:
+    """Greedy pooled drafting's logits `[M, S, V]`: the base logits of the slots before `first_corrected`, then each
+    corrected slot's pool logits (`[M, S - first_corrected, K]`) over its `pool_ids` (`[M, S, K]`), -inf elsewhere."""
+    spread = pool_logits.new_full((*pool_logits.shape[:2], base_logits.shape[-1]), float("-inf"))
+    spread.scatter_(-1, pool_ids[:, first_corrected:], pool_logits)
+    return torch.cat([base_logits[:, :first_corrected], spread], dim=1)
 
 
 def gru_cell(input_gates: torch.Tensor, state_gates: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -136,7 +140,7 @@ def head_slot_loop(
     from)`; `None` is greedy argmax with no Python callback, which is what makes the loop compilable (unrolled).
     Returns `[M, S]` tokens and `[M, S, V]` logits.
     """
-    num_slots, vocab_size = base_logits.shape[1:]
+    num_slots = base_logits.shape[1]
     gate_size = weights.weight_ih.shape[0]
     state, pooled = block.state, block.pool_ids is not None
     tokens, logits = [], []
@@ -168,8 +172,8 @@ def head_slot_loop(
             state = gru_cell(gru_input_gates(weights, token), state_gates, state)
     if pooled and choose is None and first_corrected < num_slots:
         pool_logits = torch.stack(logits[first_corrected:], dim=1)  # [M, S - first_corrected, K]
-        spread = _spread_pool_logits(pool_logits, block.pool_ids[:, first_corrected:], vocab_size)
-        logits = logits[:first_corrected] + list(spread.unbind(1))
+        logits = _greedy_pool_logits(base_logits, pool_logits, block.pool_ids, first_corrected)
+        return torch.stack(tokens, dim=1), logits
     return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
 
 
@@ -181,7 +185,7 @@ def fused_pooled_slot_loop(
     Each pool token's GRU input gates are looked up (or projected) once per block instead of once per slot, so a
     slot is the launch alone. Slots before `first_corrected` draft their base argmax: it goes first in their pool.
     """
-    num_slots, vocab_size = base_logits.shape[1:]
+    num_slots = base_logits.shape[1]
     pool_ids = block.pool_ids.clone()
     pool_ids[:, :first_corrected, 0] = base_logits[:, :first_corrected].argmax(dim=-1)
     pool_gates = gru_input_gates(weights, pool_ids).contiguous()  # [M, S, K, 3G]
@@ -194,8 +198,7 @@ def fused_pooled_slot_loop(
             projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, tokens, pool_logits,
             block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
         )  # fmt: skip
-    spread = _spread_pool_logits(pool_logits[:, first_corrected:], pool_ids[:, first_corrected:], vocab_size)
-    return tokens, torch.cat([base_logits[:, :first_corrected], spread], dim=1)
+    return tokens, _greedy_pool_logits(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
 
 
 def greedy_head(
