@@ -11,7 +11,6 @@ and versions. What the pool saves in time is `draft_cost.py --head-pool K` (BENC
 """
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -122,9 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": pool_acceptance(target, draft, prompts, args.pools, args.max_new_tokens),
     }
     text = markdown(results)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1))
-    args.output.with_suffix(".md").write_text(text)
+    draft_cost.write_results(results, text, args.output)
     print(text)
     print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
     return results

@@ -10,7 +10,6 @@ Prints a table and writes JSON + Markdown.
 """
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -130,9 +129,8 @@ def main() -> None:
     ]
     report = "\n".join(lines) + "\n"
     print(report)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"settings": vars(args) | {"output": str(args.output)}, "environment": environment, "results": rows}, indent=2))
-    args.output.with_suffix(".md").write_text(report)
+    settings = vars(args) | {"output": str(args.output)}
+    draft_cost.write_results({"settings": settings, "environment": environment, "results": rows}, report, args.output)
     print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
 
 
