@@ -42,7 +42,8 @@ def main() -> None:
     write_card(card_args)
     weights = os.path.getsize(os.path.join(args.output, "model.safetensors"))
     if weights > MAX_BYTES:
-        raise SystemExit(f"{args.output}/model.safetensors is {weights / 2**20:.1f} MiB, over the {MAX_BYTES // 2**20} MiB budget")
+        mib = weights / 2**20
+        raise SystemExit(f"{args.output}/model.safetensors is {mib:.1f} MiB, over the {MAX_BYTES // 2**20} MiB budget")
     print(f"shipped {args.trained} -> {args.output} ({weights / 2**20:.1f} MiB bf16)")
 
 
