@@ -6,13 +6,15 @@ the GRU state's projection `projected_s = state_s @ [W_hh; W_down_state]^T` (`[M
 matmul for one thread block, and everything after it (pick, GRU step) is tiny. So each launch finishes slot s and
 starts slot s + 1: every program recomputes slot s's pick (K x R multiply-adds) and the next GRU state (G values,
 chunk by chunk), then writes its own rows of `projected_{s+1}`. Redundant work instead of a grid-wide barrier: one
-launch per slot, and the [3G + R, G] weight is read once per slot across the whole GPU.
+launch per slot, and the [3G + R, G] weight is read once per slot across the whole GPU. How a launch splits that work
+(`LAUNCH_CONFIGS`) is autotuned on the GPU at hand.
 
 Copied into saved checkpoints with `head_domino.py`. Triton ships with CUDA builds of PyTorch; without it this module
 still imports and `triton_available()` is False. `TRITON_INTERPRET=1` runs the kernel on CPU tensors (tests).
 """
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -22,19 +24,45 @@ try:
 except ImportError:  # CPU-only PyTorch builds ship without Triton
     triton = None
 
-# Programs split the projection's 3G + R rows in tiles of this many; each reads its tile of the weight once per slot.
-ROWS_PER_PROGRAM = 16
-STATE_CHUNK = 256  # GRU state values per inner step (weight tile [ROWS_PER_PROGRAM, STATE_CHUNK])
-RANK_CHUNK = 64  # residual rank per inner step of the pick (pool tile [K, RANK_CHUNK])
+
+class LaunchConfig(NamedTuple):
+    """How a launch splits the work of a slot (the kernel's tuned constexprs and warps)."""
+
+    rows_per_program: int  # rows of `projected_{s+1}` a program writes: its tile of the weight, read once per slot
+    state_chunk: int  # GRU state values per inner step of the GRU step (weight tile [rows_per_program, state_chunk])
+    rank_chunk: int  # residual ranks per inner step of the pick (pool tile [K, rank_chunk])
+    num_warps: int
+
+
+# What `triton.autotune` picks from on CUDA, timing each at the first call of a shape (a few seconds, once per
+# process): fewer rows per program mean more programs; small chunks hold few values in registers, whole vectors (one
+# inner step at Qwen3-8B's G = 1024, R = 256) wait on memory fewer times per slot. None spills registers at those
+# shapes with a pool of 64 on sm_90 (tests/test_head_step_triton.py). The interpreter runs the first.
+LAUNCH_CONFIGS = (
+    LaunchConfig(rows_per_program=16, state_chunk=256, rank_chunk=64, num_warps=4),
+    LaunchConfig(rows_per_program=8, state_chunk=256, rank_chunk=64, num_warps=4),
+    LaunchConfig(rows_per_program=32, state_chunk=256, rank_chunk=64, num_warps=4),
+    LaunchConfig(rows_per_program=16, state_chunk=512, rank_chunk=128, num_warps=8),
+    LaunchConfig(rows_per_program=16, state_chunk=1024, rank_chunk=256, num_warps=8),
+    LaunchConfig(rows_per_program=16, state_chunk=1024, rank_chunk=256, num_warps=16),
+)
 
 
 def triton_available() -> bool:
     return triton is not None
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kernel_runs_on(device: torch.device) -> bool:
     """Whether the kernel can run on tensors of `device`: CUDA with Triton, or any device in interpreter mode."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (device.type == "cuda" or _interpreted())
+
+
+def _constexprs(config: LaunchConfig) -> dict[str, int]:
+    return dict(ROWS_PER_PROGRAM=config.rows_per_program, STATE_CHUNK=config.state_chunk, RANK_CHUNK=config.rank_chunk)
 
 
 if triton is not None:
@@ -73,8 +101,9 @@ if triton is not None:
         in_pool = candidates < pool_size
 
         if PICK:  # logits = base + up_pool @ silu(hidden_part + state_part), over the pool only
-            logits = tl.load(pool_base_ptr + slot_row * pool_size + candidates, mask=in_pool, other=float("-inf"))
-            logits = logits.to(tl.float32)
+            pool_base_row = pool_base_ptr + slot_row * pool_size  # row pointers in int64, offsets within rows in int32
+            pool_up_row = pool_up_ptr + slot_row * pool_size * rank
+            logits = tl.load(pool_base_row + candidates, mask=in_pool, other=float("-inf")).to(tl.float32)
             for start in range(0, rank, RANK_CHUNK):
                 ranks = start + tl.arange(0, RANK_CHUNK)
                 in_rank = ranks < rank
@@ -82,8 +111,8 @@ if triton is not None:
                 state_part = tl.load(projected_ptr + row * width + 3 * gate_size + ranks, mask=in_rank, other=0.0)
                 activation = hidden + state_part.to(tl.float32)
                 activation = activation * tl.sigmoid(activation)
-                up_offsets = (slot_row * pool_size + candidates[:, None]) * rank + ranks[None, :]
-                up = tl.load(pool_up_ptr + up_offsets, mask=in_pool[:, None] & in_rank[None, :], other=0.0)
+                up_offsets = candidates[:, None] * rank + ranks[None, :]
+                up = tl.load(pool_up_row + up_offsets, mask=in_pool[:, None] & in_rank[None, :], other=0.0)
                 logits += tl.sum(up.to(tl.float32) * activation[None, :], axis=1)
             choice = tl.argmax(logits, axis=0)
             written = candidates < tl.where(writer, pool_size, 0)
@@ -115,9 +144,31 @@ if triton is not None:
                 next_state = (candidate + update * (state - candidate)).to(next_state_ptr.dtype.element_ty)
                 tl.store(next_state_ptr + row * gate_size + units, next_state, mask=units < state_writes)
                 weight_offsets = rows[:, None] * gate_size + units[None, :]
-                weight = tl.load(state_weight_ptr + weight_offsets, mask=in_rows[:, None] & in_state[None, :], other=0.0)
+                in_weight = in_rows[:, None] & in_state[None, :]
+                weight = tl.load(state_weight_ptr + weight_offsets, mask=in_weight, other=0.0)
                 accumulator += tl.sum(weight.to(tl.float32) * next_state.to(tl.float32)[None, :], axis=1)
             tl.store(next_projected_ptr + row * width + rows, accumulator, mask=in_rows)
+
+    # Every launch config computes the same values, and a launch writes only its outputs, none of which it reads:
+    # the tuner's repeated launches need no restoring.
+    _tuned_head_step_kernel = triton.autotune(
+        configs=[triton.Config(_constexprs(config), num_warps=config.num_warps) for config in LAUNCH_CONFIGS],
+        key=["gate_size", "rank", "pool_size", "PICK", "STEP"],
+    )(_head_step_kernel)
+
+
+def tuned_launch_configs() -> dict[str, LaunchConfig]:
+    """What the autotuner picked so far outside torch.compile (which tunes its own copy), per tuning key: gate size,
+    rank, pool size, PICK, STEP and the arguments' dtypes. Empty before the first launch on CUDA."""
+    if triton is None:
+        return {}
+    picks = {}
+    for key, config in _tuned_head_step_kernel.cache.items():
+        constexprs = config.kwargs
+        picks[", ".join(map(str, key))] = LaunchConfig(
+            constexprs["ROWS_PER_PROGRAM"], constexprs["STATE_CHUNK"], constexprs["RANK_CHUNK"], config.num_warps
+        )
+    return picks
 
 
 def head_step(
@@ -146,15 +197,21 @@ def head_step(
     # Fresh even when not `step` (left unwritten then): no tensor is passed twice, which torch.compile would have to
     # untangle for a kernel that writes its arguments.
     next_projected, next_state = torch.empty_like(projected), torch.empty_like(state)
-    tiles = triton.cdiv(width, ROWS_PER_PROGRAM) if step else 1
-    _head_step_kernel[(num_rows, tiles)](
+
+    def grid(constexprs: dict) -> tuple[int, int]:
+        return num_rows, triton.cdiv(width, constexprs["ROWS_PER_PROGRAM"]) if step else 1
+
+    if _interpreted():  # no timing to tune on: the first config
+        kernel, launch = _head_step_kernel, dict(_constexprs(LAUNCH_CONFIGS[0]), num_warps=LAUNCH_CONFIGS[0].num_warps)
+    else:
+        kernel, launch = _tuned_head_step_kernel, {}
+    kernel[grid](
         projected, state, next_projected, next_state, tokens, pool_logits,
         hidden_part, pool_base, pool_up, pool_ids, pool_gates, state_weight,
         slot, num_slots, gate_size, rank, pool_size,
-        PICK=pick, STEP=step, BLOCK_K=triton.next_power_of_2(pool_size),
-        RANK_CHUNK=RANK_CHUNK, STATE_CHUNK=STATE_CHUNK, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
+        PICK=pick, STEP=step, BLOCK_K=triton.next_power_of_2(pool_size), **launch,
     )  # fmt: skip
     return next_projected, next_state
 
 
-__all__ = ["head_step", "kernel_runs_on", "triton_available"]
+__all__ = ["LAUNCH_CONFIGS", "LaunchConfig", "head_step", "kernel_runs_on", "triton_available", "tuned_launch_configs"]

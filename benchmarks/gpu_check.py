@@ -23,7 +23,8 @@ It prints the speedup bound tau * t_decode / (t_draft_round + t_verify) at tau =
 issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. With `--profile-head` it also
 records where each variant's head loop spends its time: the kernels (operators on CPU) of a few calls, by device time,
 so a head over its share shows whether the slots or the per-block setup (top-K, gate projection, spreading the pool's
-logits) cost. Results (JSON + Markdown, with machine, GPU and versions) are rewritten after every stage, so a run cut
+logits) cost. The fused kernel's launch config is autotuned in the warmup runs; the eager picks land in
+`fused_launch_configs`. Results (JSON + Markdown, with machine, GPU and versions) are rewritten after every stage, so a run cut
 short by a timeout keeps what it measured.
 """
 
@@ -221,6 +222,7 @@ def results_of(
         "same_tokens_as_eager": same_tokens_as_eager(drafted),
         "drafted_tokens": {variant_name(suffix): tokens.tolist() for suffix, tokens in drafted.items()},
         "head_kernels": timer.head_kernels,
+        "fused_launch_configs": {key: pick._asdict() for key, pick in head_step_triton.tuned_launch_configs().items()},
         "errors": errors,
         "elapsed_s": time.perf_counter() - started,
     }
@@ -262,6 +264,9 @@ def markdown(results: dict) -> str:
         lines += ["", f"Head loop of {name}, costliest kernels per call:", "", "| kernel | launches | us |"]
         lines.append("|---|---:|---:|")
         lines += [f"| `{kernel['name'][:90]}` | {kernel['launches']:g} | {kernel['us']:.1f} |" for kernel in kernels]
+    if results["fused_launch_configs"]:
+        lines += ["", "Fused head step: launch configs the autotuner picked (eager; torch.compile tunes its own):", ""]
+        lines += [f"- {key}: {config}" for key, config in results["fused_launch_configs"].items()]
     return "\n".join(lines) + "\n"
 
 

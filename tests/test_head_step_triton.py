@@ -11,20 +11,24 @@ import torch
 from conftest import tiny_draft, tiny_target
 from test_head_loop import _draft_once
 
-from domino_spec import DominoConfig
+from domino_spec import DominoConfig, head_step_triton
 from domino_spec.generation import speculative_generate
 
 pytest.importorskip("triton", reason="the fused head step is a Triton kernel")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def target_and_draft():
+def _target_and_draft(**draft_fields):
     target = tiny_target("qwen3").to(DEVICE)
-    draft = tiny_draft(target, block_size=6).to(DEVICE)
+    draft = tiny_draft(target, block_size=6, **draft_fields).to(DEVICE)
     with torch.no_grad():  # a head that matters: residuals on the scale of the base logits
         draft.embed_proj[2].weight.mul_(50.0)
     return target, draft
+
+
+@pytest.fixture
+def target_and_draft():
+    return _target_and_draft()
 
 
 def _fused_and_unfused(draft, target, input_ids):
@@ -40,6 +44,18 @@ def test_fused_step_drafts_the_unfused_tokens_and_logits(target_and_draft, pool,
     target, draft = target_and_draft
     draft.config.head_candidate_pool, draft.config.pure_draft_prefix_len = pool, first_corrected
     fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (3, 14), device=DEVICE))
+    assert torch.equal(fused.tokens, unfused.tokens)
+    torch.testing.assert_close(fused.logits, unfused.logits)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the autotuner picks the config")
+@pytest.mark.parametrize("launch", head_step_triton.LAUNCH_CONFIGS, ids=lambda config: "-".join(map(str, config)))
+def test_every_launch_config_drafts_the_unfused_tokens_and_logits(launch, monkeypatch):
+    """Each config the autotuner may pick, at a GRU state and rank that span several chunks with a remainder."""
+    monkeypatch.setattr(head_step_triton, "LAUNCH_CONFIGS", (launch,))  # the interpreter runs the first
+    target, draft = _target_and_draft(gru_hidden_dim=260, emb_dim=70)
+    draft.config.head_candidate_pool, draft.config.pure_draft_prefix_len = 5, 1
+    fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (1, 10), device=DEVICE))
     assert torch.equal(fused.tokens, unfused.tokens)
     torch.testing.assert_close(fused.logits, unfused.logits)
 
@@ -97,6 +113,17 @@ def test_compiled_fused_step_drafts_the_eager_fused_tokens(target_and_draft):
     finally:
         draft.compile_drafting(None)
         torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner times launches on GPUs only")
+def test_autotuner_picks_one_of_the_launch_configs_per_shape(target_and_draft):
+    target, draft = target_and_draft
+    draft.config.head_candidate_pool, draft.config.fused_head_step, draft.config.pure_draft_prefix_len = 6, True, 1
+    _draft_once(draft, target, torch.randint(0, 128, (1, 9), device=DEVICE))
+    tuned = head_step_triton.tuned_launch_configs().items()
+    picks = {key: config for key, config in tuned if key.startswith("32, 16, 6, ")}  # G, R, pool of this draft
+    assert len(picks) == 3  # slot 0 (STEP only), the slots in between (PICK and STEP), the last (PICK only)
+    assert set(picks.values()) <= set(head_step_triton.LAUNCH_CONFIGS)
 
 
 # torch.compile of the fused greedy head as `compile_drafting` runs it on an H100/H200, through functionalization (what
@@ -171,9 +198,14 @@ def test_torch_compile_captures_one_kernel_per_slot_that_writes_only_its_outputs
     assert written_per_slot == expected
 
 
-# Compiles every variant of the kernel (PICK x STEP) for an H100/H200 (sm_90) with the ptxas bundled in Triton, in a
-# process without TRITON_INTERPRET, and prints one line per variant.
+# Compiles every variant of the kernel (PICK x STEP x launch config) for an H100/H200 (sm_90) with the ptxas bundled in
+# Triton, in a process without TRITON_INTERPRET, for a pool of 64 (BLOCK_K): bf16 with every launch config, fp32 with
+# the first. Prints one line per variant: dtype, PICK, STEP, config index and the stack bytes (register spills) of the
+# cubin, read with Triton's cuobjdump.
 COMPILE_FOR_SM90 = """
+import re
+import subprocess
+import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -181,26 +213,32 @@ from domino_spec import head_step_triton
 
 kernel = head_step_triton._head_step_kernel
 names = kernel.arg_names
-sizes = dict(BLOCK_K=64, RANK_CHUNK=head_step_triton.RANK_CHUNK, STATE_CHUNK=head_step_triton.STATE_CHUNK,
-             ROWS_PER_PROGRAM=head_step_triton.ROWS_PER_PROGRAM)
-for weights in ("bf16", "fp32"):
-    for pick in (True, False):
-        for step in (True, False):
-            signature = {name: "i32" for name in names}
-            signature.update({name: f"*{weights}" for name in names if name.endswith("_ptr")})
-            signature.update(tokens_ptr="*i64", pool_ids_ptr="*i64", pool_logits_ptr="*fp32", pool_base_ptr="*fp32",
-                             pool_up_ptr="*fp32")
-            constants = dict(PICK=pick, STEP=step, **sizes)
-            signature.update({name: "constexpr" for name in constants})
-            source = ASTSource(kernel, signature, {(names.index(name),): value for name, value in constants.items()})
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-            print(weights, pick, step, len(compiled.asm["cubin"]) > 0)
+for dtype, configs in (("bf16", head_step_triton.LAUNCH_CONFIGS), ("fp32", head_step_triton.LAUNCH_CONFIGS[:1])):
+    for index, config in enumerate(configs):
+        for pick in (True, False):
+            for step in (True, False):
+                signature = {name: "i32" for name in names}
+                signature.update({name: f"*{dtype}" for name in names if name.endswith("_ptr")})
+                signature.update(tokens_ptr="*i64", pool_ids_ptr="*i64")
+                constants = dict(PICK=pick, STEP=step, BLOCK_K=64, **head_step_triton._constexprs(config))
+                signature.update({name: "constexpr" for name in constants})
+                constexprs = {(names.index(name),): value for name, value in constants.items()}
+                source = ASTSource(kernel, signature, constexprs)
+                options = dict(num_warps=config.num_warps)
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                    cubin.write(compiled.asm["cubin"])
+                    cubin.flush()
+                    command = [triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name]
+                    usage = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+                print(dtype, pick, step, index, re.search(r"STACK:(\\d+)", usage).group(1))
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the tests above compile it for the GPU at hand")
-def test_kernel_compiles_for_an_h100_without_a_gpu():
-    """Triton's interpreter accepts code its GPU compiler refuses: compile the kernel for sm_90 without a GPU."""
+def test_kernel_compiles_for_an_h100_without_a_gpu_and_no_launch_config_spills_registers():
+    """Triton's interpreter accepts code its GPU compiler refuses: compile the kernel for sm_90 without a GPU. A config
+    that spills registers to memory would lose to the others when tuned, and is no use as a candidate."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     environment["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default so far; set, it silences Triton 3.9's warning
     result = subprocess.run(
@@ -208,5 +246,13 @@ def test_kernel_compiles_for_an_h100_without_a_gpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     variants = [line.split() for line in result.stdout.splitlines()]
-    expected = [[w, p, s, "True"] for w in ("bf16", "fp32") for p in ("True", "False") for s in ("True", "False")]
+    configs = {"bf16": len(head_step_triton.LAUNCH_CONFIGS), "fp32": 1}
+    flags = ("True", "False")
+    expected = [
+        [dtype, pick, step, str(index), "0"]
+        for dtype, count in configs.items()
+        for index in range(count)
+        for pick in flags
+        for step in flags
+    ]
     assert variants == expected
