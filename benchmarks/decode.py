@@ -59,7 +59,7 @@ class MethodResult:
     matches_plain: bool | None = None  # greedy only: identical sequences to `plain`
     draft_seconds: float | None = None
     verify_seconds: float | None = None
-    position_acceptance_rates: list[float] | None = None
+    position_acceptance_rates: list[float | None] | None = None
     sequences: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -156,7 +156,7 @@ def run_native(args, target, draft, prompts, pad_token_id: int, method: str) -> 
     """`plain` (draft None) or `native-domino`, in batches of --batch-size."""
     result = MethodResult(method, draft_seconds=0.0, verify_seconds=0.0)
     device = torch.device(args.device)
-    accepted, verified = None, 0
+    accepted = verified = None  # per draft position, summed over batches
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
         input_ids, attention_mask = left_pad(batch, pad_token_id)
@@ -173,17 +173,16 @@ def run_native(args, target, draft, prompts, pad_token_id: int, method: str) -> 
         result.rounds += sum(len(lengths) for lengths in output.acceptance_lengths)
         result.draft_seconds += output.draft_time
         result.verify_seconds += output.verify_time
-        rates = torch.nan_to_num(output.position_acceptance_rates, nan=0.0)
-        weight = output.num_rounds
-        accepted = rates * weight if accepted is None else accepted + rates * weight
-        verified += weight
+        accepted = output.position_accepted if accepted is None else accepted + output.position_accepted
+        verified = output.position_verified if verified is None else verified + output.position_verified
         width = input_ids.shape[1]
         for row, prompt in enumerate(batch):
             new = output.sequences[row, width : width + output.num_new_tokens[row]]
             result.sequences.append(prompt[0].tolist() + new.tolist())
-    if draft is not None and verified:
-        # Approximate where batches verified different numbers of drafts: weighted by verify passes.
-        result.position_acceptance_rates = [round(float(rate), 4) for rate in accepted / verified]
+    if draft is not None and verified is not None:
+        result.position_acceptance_rates = [  # None where no round verified a draft at that position
+            round(hits / total, 4) if total else None for hits, total in zip(accepted.tolist(), verified.tolist())
+        ]
     return result
 
 

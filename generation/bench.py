@@ -40,15 +40,23 @@ class MethodRun:
     verified_tokens: int = 0  # tokens committed by verify passes (tau's numerator)
     verify_passes: int = 0
     round_lengths: list[int] = field(default_factory=list)  # native engine: tokens committed per round
+    position_accepted: list[int] = field(default_factory=list)  # native engine: rounds accepting the k-th draft
+    position_verified: list[int] = field(default_factory=list)  # and rounds verifying one, per draft position
     identical: int = 0
     prompts: int = 0
     texts: list[str] = field(default_factory=list)
 
+    def add_position_counts(self, accepted: list[int], verified: list[int]) -> None:
+        if not self.position_verified:
+            self.position_accepted, self.position_verified = [0] * len(verified), [0] * len(verified)
+        self.position_accepted = [total + count for total, count in zip(self.position_accepted, accepted)]
+        self.position_verified = [total + count for total, count in zip(self.position_verified, verified)]
+
     def summary(self, plain: "MethodRun") -> dict:
         tau = self.verified_tokens / self.verify_passes if self.verify_passes else float("nan")
-        longest = max(self.round_lengths, default=0)
-        # Per-position acceptance: the fraction of rounds that accepted at least k drafts.
-        position_rates = [sum(n > k for n in self.round_lengths) / len(self.round_lengths) for k in range(1, longest)]
+        # Per-position acceptance: of the rounds that verified a k-th draft, the fraction that accepted it.
+        positions = zip(self.position_accepted, self.position_verified)
+        position_rates = [hits / total if total else None for hits, total in positions]
         return {
             "prompts": self.prompts,
             "new_tokens": self.new_tokens,
@@ -56,7 +64,7 @@ class MethodRun:
             "tokens_per_s": round(self.new_tokens / self.seconds, 3) if self.seconds else None,
             "speedup": round(plain.seconds / self.seconds, 3) if self.seconds else None,
             "mean_acceptance_length": round(tau, 3),
-            "position_acceptance": [round(rate, 4) for rate in position_rates],
+            "position_acceptance": [None if rate is None else round(rate, 4) for rate in position_rates],
             "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
             "identical": self.identical,
             "identical_fraction": self.identical / self.prompts if self.prompts else None,
@@ -85,6 +93,7 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
         run.seconds += time.perf_counter() - start
         tokens = output.sequences[0, input_ids.shape[1] :].tolist()[: output.num_new_tokens[0]]
         run.round_lengths += output.acceptance_lengths[0]
+        run.add_position_counts(output.position_accepted.tolist(), output.position_verified.tolist())
         run.verified_tokens += sum(output.acceptance_lengths[0])
         run.verify_passes += len(output.acceptance_lengths[0])
         return tokens
@@ -143,7 +152,7 @@ def run_bench(
         for item in items:
             input_ids = prompt_ids(item)
             reference = None
-            for method in methods:  # plain first: it is the reference
+            for method in sorted(methods, key=lambda name: name != "plain"):  # plain first: it is the reference
                 run = runs[name][method]
                 tokens = decode(method, target, drafts, input_ids, max_new_tokens, eos, run)
                 reference = tokens if method == "plain" else reference
@@ -217,10 +226,10 @@ def plot_acceptance(results: list[dict], path: str) -> None:
             total = sum(histogram.values())
             lengths = sorted(histogram)
             row_axes[0].plot(lengths, [histogram[n] / total for n in lengths], marker="o", label=row["method"])
-            positions = range(1, len(row["position_acceptance"]) + 1)
-            row_axes[1].plot(positions, row["position_acceptance"], marker="o", label=row["method"])
+            rates = [float("nan") if rate is None else rate for rate in row["position_acceptance"]]
+            row_axes[1].plot(range(1, len(rates) + 1), rates, marker="o", label=row["method"])
         row_axes[0].set(title=f"{name}: tokens committed per round", xlabel="acceptance length", ylabel="fraction")
-        row_axes[1].set(title=f"{name}: rounds accepting >= k drafts", xlabel="k", ylabel="fraction", ylim=(0, 1))
+        row_axes[1].set(title=f"{name}: k-th draft accepted", xlabel="k", ylabel="fraction of rounds", ylim=(0, 1))
         for axis in row_axes:
             axis.grid(alpha=0.3)
             axis.legend()

@@ -30,11 +30,14 @@ class SpeculativeOutput:
         sequences (`torch.LongTensor` of shape `(batch_size, prompt_length + new_tokens)`): the (left-padded) prompts
             followed by the generated tokens; rows that stopped early are padded with `pad_token_id`, as in
             transformers' `generate`.
-        acceptance_lengths (`list[list[int]]`): per row, the tokens committed in each round (accepted drafts + 1),
-            the prefill's first token excluded; all ones for plain decoding.
+        acceptance_lengths (`list[list[int]]`): per row, the tokens committed in each round (accepted drafts + 1,
+            fewer where EOS or the length budget cut the round), the prefill's first token excluded; all ones for
+            plain decoding.
         position_acceptance_rates (`torch.Tensor` of shape `(num_draft_tokens,)`): for draft position k (1-based,
             k = index + 1), the fraction of rounds verifying a k-th draft (all rows) that accepted it
-            (`num_accepted >= k`); NaN where no round verified one.
+            (`num_accepted >= k`); NaN where no round verified one. `position_accepted / position_verified`.
+        position_accepted, position_verified (`torch.LongTensor` of shape `(num_draft_tokens,)`): those counts, per
+            draft position, summed over rounds and rows (to pool runs exactly).
         num_new_tokens (`list[int]`): tokens generated per row.
         prefill_time, draft_time, verify_time, total_time (`float`): seconds; verify includes acceptance.
         num_rounds (`int`): verify passes after the prefill (batched: one pass serves every active row).
@@ -43,6 +46,8 @@ class SpeculativeOutput:
     sequences: torch.LongTensor
     acceptance_lengths: list[list[int]]
     position_acceptance_rates: torch.Tensor
+    position_accepted: torch.LongTensor
+    position_verified: torch.LongTensor
     num_new_tokens: list[int]
     prefill_time: float = 0.0
     draft_time: float = 0.0
@@ -190,6 +195,8 @@ class _Record:
             sequences=torch.cat([input_ids, self.generated[:, : max(self.num_generated)]], dim=-1),
             acceptance_lengths=self.acceptance_lengths,
             position_acceptance_rates=self.accepted.double() / self.verified.double(),
+            position_accepted=self.accepted,
+            position_verified=self.verified,
             num_new_tokens=self.num_generated,
             prefill_time=prefill_time,
             draft_time=self.draft_time,

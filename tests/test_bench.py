@@ -2,9 +2,12 @@
 
 import json
 
+import torch
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
+from speculative_helpers import OracleDraft
 
-from domino_spec.generation.bench import METHODS, run_bench, write_results
+from domino_spec.generation import speculative_generate
+from domino_spec.generation.bench import METHODS, prompt_token_ids, run_bench, write_results
 
 
 def test_bench_runs_every_method_and_writes_results(tmp_path):
@@ -32,3 +35,27 @@ def test_bench_runs_every_method_and_writes_results(tmp_path):
     assert json.loads(open(paths["results.json"]).read())["results"] == report["results"]
     assert "| set-a | domino |" in open(paths["results.md"]).read()
     assert open(paths["acceptance.png"], "rb").read(4) == b"\x89PNG"
+
+
+def test_bench_compares_with_plain_in_any_method_order_and_pools_the_engines_position_counts():
+    """With an oracle draft every round accepts all its drafts; a round cut by the length budget still accepted each
+    draft it verified, which a rate rebuilt from tokens committed per round would count as rejections."""
+    target = tiny_target("qwen3", dtype=torch.float64)
+    target.generation_config.eos_token_id = 1
+    tokenizer = tiny_tokenizer()
+    messages = [[{"role": "user", "content": text}] for text in ("hello there", "what is 3 + 4?")]
+    prompts = {"set": [{"id": str(i), "messages": m, "reference": None} for i, m in enumerate(messages)]}
+    oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3]).double()
+    prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, m, None)]) for m in messages]
+    oracle.set_sequences([target.generate(ids, max_new_tokens=40, do_sample=False)[0].tolist() for ids in prompt_ids])
+
+    report = run_bench(target, tokenizer, {"domino": oracle.eval()}, prompts, ["domino", "plain"], max_new_tokens=9)
+    domino = next(row for row in report["results"] if row["method"] == "domino")
+    assert domino["identical"] == domino["prompts"] == 2  # plain is the reference though listed last
+
+    accepted = verified = 0
+    for ids in prompt_ids:
+        output = speculative_generate(target, oracle, ids, max_new_tokens=9, eos_token_id=[1])
+        accepted, verified = output.position_accepted + accepted, output.position_verified + verified
+    assert domino["position_acceptance"] == [round(a / v, 4) for a, v in zip(accepted.tolist(), verified.tolist())]
+    assert min(domino["position_acceptance"]) > 0.5  # the oracle proposes padding only past EOS
