@@ -75,14 +75,15 @@ def rejection_sample(
     Returns:
         num_accepted `[B]` and next_token `[B]`, so that every committed token is distributed as the target's.
     """
-    # q: draft prob, p: target prob. Accept d_i with probability min(1, p(d_i) / q(d_i)), i.e. u * q <= p.
+    # q: draft prob, p: target prob. Accept d_i with probability min(1, p(d_i) / q(d_i)), i.e. u * q < p for u
+    # uniform in [0, 1): strict, so a token the target rules out (p = 0) is never accepted, not even at u = 0.
     # At the first rejection i, sample from the residual norm(max(0, p_i - q_i)); if all S drafts are accepted,
     # sample the bonus token from p_{S+1}. Together this yields exactly p at every position.
     num_drafts = draft_tokens.shape[1]
     p_draft = target_probs[:, :num_drafts].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, S]
     q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, S]
     uniform = torch.rand(q_draft.shape, generator=generator, device=q_draft.device, dtype=q_draft.dtype)
-    accepted = uniform * q_draft <= p_draft  # [B, S]
+    accepted = uniform * q_draft < p_draft  # [B, S]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
 
     p_next = target_probs.gather(1, num_accepted[:, None, None].expand(-1, 1, target_probs.shape[-1])).squeeze(1)

@@ -58,6 +58,21 @@ def test_rejection_sample_never_commits_a_token_the_target_excludes():
         assert committed in ([1, 2], [1]), committed
 
 
+def test_rejection_sample_rejects_a_token_the_target_excludes_even_at_a_zero_uniform_draw(monkeypatch):
+    """`torch.rand` draws from [0, 1): at u = 0, a non-strict `u * q <= p` would accept a token with p = 0."""
+
+    def zeros(size, generator=None, device=None, dtype=None):
+        return torch.zeros(size, device=device, dtype=dtype)
+
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])  # [1, S + 1, V]
+    q = torch.tensor([[[0.5, 0.5, 0.0]]])
+    monkeypatch.setattr(torch, "rand", zeros)
+    num_accepted, next_token = rejection_sample(torch.tensor([[0]]), q, p)  # token 0: q = 0.5, p = 0
+    assert num_accepted.tolist() == [0] and next_token.tolist() == [1]
+    num_accepted, next_token = rejection_sample(torch.tensor([[1]]), q, p)  # token 1: p = 1, accepted
+    assert num_accepted.tolist() == [1] and next_token.tolist() == [2]
+
+
 def test_rejection_sample_identical_distributions_accept_everything():
     p = torch.softmax(torch.randn(8, 4, 10), -1)
     generator = torch.Generator().manual_seed(1)
