@@ -345,14 +345,16 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
 
 
 def test_hooked_features_equal_output_hidden_states(family):
+    """What training taps is what inference reads, the last layer included (transformers normalizes that one)."""
     from domino_spec.training.features import target_hidden_states
 
     target = tiny_target(family)
-    draft = tiny_draft(target, target_layer_ids=[0, 2, 3])
     input_ids = torch.randint(0, 100, (2, 11))
     attention_mask = torch.ones_like(input_ids)
-    expected = _features(target, draft, input_ids)
-    torch.testing.assert_close(target_hidden_states(target, input_ids, attention_mask, [0, 2, 3]), expected)
+    for layer_ids in ([0, 2, 3], [1, target.config.num_hidden_layers - 1]):
+        draft = tiny_draft(target, target_layer_ids=layer_ids)
+        expected = _features(target, draft, input_ids)
+        torch.testing.assert_close(target_hidden_states(target, input_ids, attention_mask, layer_ids), expected)
 
 
 def test_feature_store_trains_like_online_features_and_resumes(tmp_path):

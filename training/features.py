@@ -24,9 +24,11 @@ def target_hidden_states(
 ) -> torch.Tensor:
     """Concatenated outputs of target layers `layer_ids`: `[B, T, len(layer_ids) * D]`.
 
-    Forward hooks on the tapped decoder layers capture their outputs; the last one ends the forward early.
+    Forward hooks on the tapped decoder layers capture their outputs; the last one ends the forward early. The same
+    features as inference reads from `output_hidden_states` (`DominoDraftModel.fuse_target_hidden_states`).
     """
-    layers = target.get_decoder().layers
+    decoder = target.get_decoder()
+    layers = decoder.layers
     captured: dict[int, torch.Tensor] = {}
     last = max(layer_ids)
 
@@ -40,12 +42,15 @@ def target_hidden_states(
 
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     except _StopAfterLastTappedLayer:
         pass
     finally:
         for handle in handles:
             handle.remove()
+    final = len(layers) - 1
+    if final in captured:  # transformers returns the final layer's hidden state after the decoder's final norm
+        captured[final] = decoder.norm(captured[final])
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
 
