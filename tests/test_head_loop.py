@@ -125,7 +125,7 @@ def test_greedy_head_and_backbone_trace_as_whole_graphs(target_and_draft, pool):
         hidden = backbone(*arguments)
         torch.testing.assert_close(hidden, draft.backbone(*arguments))
         base_logits = target.get_output_embeddings()(hidden)
-        weights = draft._head_weights(embed_tokens, base_logits.dtype)
+        weights = draft._head_weights(embed_tokens, base_logits.dtype, pool)
         head = torch.compile(greedy_head, backend="eager", fullgraph=True)
         expected = greedy_head(base_logits, hidden, arguments[0][:, 0], weights, 1, pool)
         tokens, logits = head(base_logits, hidden, arguments[0][:, 0], weights, 1, pool)

@@ -162,7 +162,7 @@ def capture(graph, example_inputs):
 
 target = tiny_target("qwen3")
 draft = tiny_draft(target, block_size=6)
-weights = draft._head_weights(target.get_input_embeddings(), torch.float32)
+weights = draft._head_weights(target.get_input_embeddings(), torch.float32, 5)
 size, vocab = draft.config.hidden_size, draft.config.vocab_size
 inputs = (torch.randn(2, 6, vocab), torch.randn(2, 6, size), torch.randn(2, size), weights, 1, 5, True)
 head = torch.compile(greedy_head, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=False)

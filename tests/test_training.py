@@ -140,6 +140,21 @@ def test_teacher_forcing_reads_ground_truth_and_training_time_test_reads_predict
             assert not torch.allclose(changed.logits[:, :, 2:], reference.logits[:, :, 2:])
 
 
+def test_training_time_test_scores_every_token_whatever_the_inference_pool():
+    """`head_candidate_pool` is an inference-time option: with it, training-time test still gives finite logits over
+    the whole vocabulary, the ones it gives without a pool."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target, pure_draft_prefix_len=1)
+    input_ids = torch.randint(0, 100, (1, 20))
+    anchors = torch.tensor([[3, 9]])
+    features = _features(target, draft, input_ids)
+    whole = _train_forward(draft, target, input_ids, features, anchors, head_reads_predictions=True)
+    draft.config.head_candidate_pool = 4
+    pooled = _train_forward(draft, target, input_ids, features, anchors, head_reads_predictions=True)
+    assert torch.isfinite(pooled.logits).all()
+    torch.testing.assert_close(pooled.logits, whole.logits)
+
+
 # ---------------------------------------------------------------------- DominoTrainer
 
 

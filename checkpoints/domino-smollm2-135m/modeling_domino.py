@@ -511,14 +511,15 @@ class DominoDraftModel(PreTrainedModel):
             return None
         return self._derived("gru_input_table", (embedding, weight_ih), lambda: F.linear(embedding.to(weight_ih.dtype), weight_ih))
 
-    def _head_weights(self, embed_tokens: nn.Module, logits_dtype: torch.dtype) -> DominoHeadWeights:
-        """The head's weights in the slot loop's layouts, derived once per weight version (`_derived`)."""
+    def _head_weights(self, embed_tokens: nn.Module, logits_dtype: torch.dtype, pool_size: int) -> DominoHeadWeights:
+        """The head's weights in the slot loop's layouts for a candidate pool of `pool_size` (0: the whole vocabulary),
+        derived once per weight version (`_derived`)."""
         weight_hh = self.prefix_gru.weight_hh_l0
         down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
         hidden_size = down.shape[1] - weight_hh.shape[1]
         state_weight = self._derived("state_weight", (weight_hh, down), lambda: torch.cat([weight_hh, down[:, hidden_size:]]))
         up_columns = None
-        if not self.config.head_candidate_pool:  # in the logits' dtype, so no slot converts [R, V] again
+        if not pool_size:  # in the logits' dtype, so no slot converts [R, V] again
             name = f"up_columns_{logits_dtype}"
             up_columns = self._derived(name, (up,), lambda: up.t().to(logits_dtype).contiguous())  # [R, V]
         gate_table = self._gru_input_table(embed_tokens)
@@ -533,6 +534,7 @@ class DominoDraftModel(PreTrainedModel):
         anchor_embeds: torch.Tensor,
         embed_tokens: nn.Module,
         choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        whole_vocabulary: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequential drafting over the S slots of `[M, S, ...]` blocks (eager): the only sequential part of a round.
 
@@ -544,18 +546,19 @@ class DominoDraftModel(PreTrainedModel):
         drafting with `config.fused_head_step` runs the slots as one Triton kernel each instead (CUDA).
 
         `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s; `None` is greedy argmax.
-        Returns `[M, S]` tokens and `[M, S, V]` logits.
+        `whole_vocabulary` ignores the inference-time options (pool, fused step): training-time test scores every
+        token. Returns `[M, S]` tokens and `[M, S, V]` logits.
         """
         if not self.config.use_domino_head:
             choose = choose or argmax_choice
             tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(base_logits.shape[1])))
             return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
-        weights = self._head_weights(embed_tokens, base_logits.dtype)
-        config = self.config
-        if choose is None:
+        pool_size = 0 if whole_vocabulary else self.config.head_candidate_pool
+        weights = self._head_weights(embed_tokens, base_logits.dtype, pool_size)
+        if choose is None and not whole_vocabulary:
             return greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *self._greedy_head_options())
-        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, config.head_candidate_pool)
-        return head_slot_loop(base_logits, block, weights, config.pure_draft_prefix_len, choose)
+        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
+        return head_slot_loop(base_logits, block, weights, self.config.pure_draft_prefix_len, choose)
 
     def _greedy_head_options(self) -> tuple[int, int, bool]:
         """`greedy_head`'s `(first_corrected, pool_size, fused_step)` from the config, checked against this machine."""
@@ -586,7 +589,7 @@ class DominoDraftModel(PreTrainedModel):
         compiled = self.__dict__.get("_compiled_drafting")
         if compiled is None or not self.config.use_domino_head or torch.is_grad_enabled():
             return self._head_loop(base_logits, draft_hidden, anchor_embeds, embed_tokens)
-        weights = self._head_weights(embed_tokens, base_logits.dtype)
+        weights = self._head_weights(embed_tokens, base_logits.dtype, self.config.head_candidate_pool)
         return compiled.greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *self._greedy_head_options())
 
     # ------------------------------------------------------------------ compiled drafting
@@ -686,7 +689,8 @@ class DominoDraftModel(PreTrainedModel):
         prefix_positions = (anchor_positions[:, :, None] + offsets[:num_slots]).clamp(max=length - 1)
         prefix_ids = input_ids.gather(1, prefix_positions.view(batch_size, -1)).view(-1, num_slots)  # [B*N, S]
         if head_reads_predictions:  # argmax has no gradient: the GRU reads the predictions as constants
-            _, logits = self._head_loop(flat_base, flat_hidden, embed_tokens(prefix_ids[:, 0]), embed_tokens)
+            anchor_embeds = embed_tokens(prefix_ids[:, 0])
+            _, logits = self._head_loop(flat_base, flat_hidden, anchor_embeds, embed_tokens, whole_vocabulary=True)
         else:
             logits = self._teacher_forced_logits(flat_base, flat_hidden, embed_tokens(prefix_ids))
         return DominoOutput(logits=logits.view_as(base_logits), base_logits=base_logits)
