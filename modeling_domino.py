@@ -14,6 +14,7 @@ import functools
 import inspect
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -496,9 +497,13 @@ class DominoDraftModel(PreTrainedModel):
             return build()
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
         cache = self.__dict__.setdefault("_derived_tensors", {})
-        if name not in cache or cache[name][0] != key:
-            cache[name] = (key, build())
-        return cache[name][1]
+        cached_key, cached_sources, derived = cache.get(name, (None, (), None))
+        # Weak references, since an address alone can be reused: a new target's embedding where a freed one was.
+        same_sources = len(cached_sources) == len(sources) and all(r() is t for r, t in zip(cached_sources, sources))
+        if cached_key != key or not same_sources:
+            derived = build()
+            cache[name] = (key, tuple(weakref.ref(t) for t in sources), derived)
+        return derived
 
     def _gru_input_table(self, embed_tokens: nn.Module) -> torch.Tensor | None:
         """`E @ W_ih^T` (`[V, 3G]`): every token's GRU input gates, when small enough to pay; else `None`.
