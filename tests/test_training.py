@@ -295,6 +295,43 @@ def test_train_arguments_from_yaml_and_command_line(tmp_path):
     assert training_args.lr_scheduler_type == "cosine" and training_args.lambda_start == 1.0  # recipe defaults
 
 
+def test_train_arguments_from_yaml_refuse_unknown_keys_and_take_the_output_alias_and_layer_lists(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("target: t\nlearning_rte: 0.5\n")
+    with pytest.raises(ValueError, match=r"learning_rte \(did you mean learning_rate\?\)"):
+        parse_train_arguments(["--data", "d.jsonl", "--config", str(recipe)])
+    recipe.write_text(f"target: t\noutput: {tmp_path / 'o'}\ntarget_layer_ids: [1, 3]\n")
+    draft_args, training_args = parse_train_arguments(["--data", "d.jsonl", "--config", str(recipe)])
+    assert training_args.output_dir == str(tmp_path / "o") and draft_args.target_layer_ids == "1,3"
+
+
+def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_fp32_weights(tmp_path):
+    from domino_spec.training.cli import DraftArguments, build_draft
+
+    target = tiny_target("llama")
+    tiny_draft(target, block_size=4).to(torch.bfloat16).save_pretrained(tmp_path / "draft")
+    draft_args = DraftArguments(target="t", data="d", init_from=str(tmp_path / "draft"), block_size=4)
+    draft = build_draft(draft_args, target, tiny_tokenizer())
+    assert draft.config.block_size == 4 and draft.dtype == torch.float32  # master weights, as a fresh draft's
+    draft_args.block_size, draft_args.use_domino_head = 8, False
+    with pytest.raises(ValueError, match=r"block_size=8 \(the draft has 4\); use_domino_head=False \(the draft has True\)"):
+        build_draft(draft_args, target, tiny_tokenizer())
+
+
+def test_a_head_less_draft_trained_with_shift_label_false_is_servable_by_sglang(tmp_path):
+    from domino_spec.training.cli import build_draft, load_target
+    from domino_spec.training.export import sglang_problems
+
+    argv = ["--target", "t", "--data", "d", "--use_domino_head", "false", "--draft_layers", "1"]
+    draft_args, _ = parse_train_arguments(argv)
+    target = tiny_target("llama")
+    assert sglang_problems(build_draft(draft_args, target, tiny_tokenizer()).config)  # the default: shift_label=True
+    draft_args, _ = parse_train_arguments(argv + ["--shift_label", "false"])
+    assert sglang_problems(build_draft(draft_args, target, tiny_tokenizer()).config) == []
+    with pytest.raises(FileNotFoundError, match="no such folder, and not an asset name"):
+        load_target(str(tmp_path / "missing"))
+
+
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("target")
@@ -354,6 +391,37 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
     assert loaded.stdout.split() == ["DominoDraftModel", "1"], loaded.stderr
     state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+
+
+def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny_target_dir):
+    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
+    _write_jsonl(tmp_path / "data.jsonl", data)
+    output = tmp_path / "draft"
+    command = [DOMINO_SPEC, "train", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl")]
+    command += ["--output", str(output), "--per_device_train_batch_size", "2", "--num_anchors", "4"]
+    command += ["--draft_layers", "1", "--block_size", "4", "--report_to", "none", "--save_strategy", "no"]
+    command += ["--logging_steps", "1", "--disable_tqdm", "true"]
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command + ["--max_steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=environment)  # fmt: skip
+    for line in process.stdout:  # the first step's log: training is under way
+        if "'loss'" in line:
+            break
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "rerun the same command to resume" in stderr
+    (checkpoint,) = [path for path in output.iterdir() if path.name.startswith("checkpoint-")]
+    stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+    assert 1 <= stopped_at < 100000 and not (output / "model.safetensors").exists()  # a checkpoint, not a final draft
+
+    result = _run(command + ["--max_steps", str(stopped_at + 2), "--save_strategy", "steps", "--save_steps", "1"],
+                  env=environment)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"resuming from {checkpoint}" in result.stdout
+    final = json.loads((output / f"checkpoint-{stopped_at + 2}" / "trainer_state.json").read_text())
+    assert final["global_step"] == stopped_at + 2 and (output / "model.safetensors").exists()
+    assert result.stdout.count("'loss'") == 2  # the two steps after the checkpoint, not a run from step 0
 
 
 # ---------------------------------------------------------------------- precomputed target features

@@ -11,13 +11,16 @@
 """
 
 import argparse
+import difflib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..modeling_domino import DominoDraftModel
 from .export import main as export_main
@@ -37,6 +40,10 @@ def load_target(name_or_path: str, dtype: torch.dtype | None = None, device: str
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     if name_or_path in assets.TARGETS:
         model, tokenizer = assets.load_target(name_or_path, dtype=dtype)
+    elif not os.path.isdir(name_or_path):  # the Hub is out of reach here: a name is a folder or an asset
+        raise FileNotFoundError(
+            f"target {name_or_path!r}: no such folder, and not an asset name ({', '.join(sorted(assets.TARGETS))})"
+        )
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
@@ -94,8 +101,17 @@ class DraftArguments:
     draft_layers: int | None = field(
         default=None, metadata={"help": "Draft decoder layers (default: the published 5-for-36 ratio)."}
     )
-    block_size: int = field(default=16, metadata={"help": "Tokens per drafted block."})
-    use_domino_head: bool = field(default=True, metadata={"help": "False trains the DFlash backbone alone."})
+    block_size: int | None = field(default=None, metadata={"help": "Tokens per drafted block (default 16)."})
+    use_domino_head: bool | None = field(
+        default=None, metadata={"help": "False trains the DFlash backbone alone (default True)."}
+    )
+    shift_label: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Block position i predicts anchor + i + 1 (default True); False is the published DFlash layout "
+            "(position 0 holds the anchor), which a head-less draft needs for `export --format sglang`."
+        },
+    )
     gru_hidden_dim: int | None = field(default=None, metadata={"help": "GRU width (default hidden_size / 4)."})
     emb_dim: int | None = field(default=None, metadata={"help": "Rank of the logit residual (default hidden_size / 16)."})
     target_layer_ids: str | None = field(
@@ -109,26 +125,41 @@ class DraftArguments:
     )
 
 
+def draft_shape(draft_args: DraftArguments) -> dict:
+    """The `DominoConfig` fields the draft-shape flags set, for those given."""
+    layer_ids = draft_args.target_layer_ids
+    fields = {
+        "num_hidden_layers": draft_args.draft_layers,
+        "block_size": draft_args.block_size,
+        "use_domino_head": draft_args.use_domino_head,
+        "shift_label": draft_args.shift_label,
+        "gru_hidden_dim": draft_args.gru_hidden_dim,
+        "emb_dim": draft_args.emb_dim,
+        "target_layer_ids": [int(i) for i in layer_ids.split(",")] if layer_ids else None,
+        "mask_token_id": draft_args.mask_token_id,
+    }
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftModel:
+    """A fresh draft of the flags' shape for `target`, or the `--init_from` draft; master weights in fp32 (--bf16
+    trains under autocast)."""
+    shape = draft_shape(draft_args)
     if draft_args.init_from:
         draft = DominoDraftModel.from_pretrained(draft_args.init_from)
+        conflicts = [f"{name}={value} (the draft has {getattr(draft.config, name)})"
+                     for name, value in shape.items() if getattr(draft.config, name) != value]  # fmt: skip
+        if conflicts:
+            raise ValueError(
+                f"--init_from {draft_args.init_from}: the draft's shape is fixed, but the flags ask for "
+                f"{'; '.join(conflicts)}. Drop those flags, or train a fresh draft without --init_from."
+            )
         draft.check_target(target)
-        return draft
+        return draft.float()
     num_target_layers = target.config.get_text_config().num_hidden_layers
-    layers = draft_args.draft_layers or max(1, round(num_target_layers * PUBLISHED_DRAFT_LAYERS / PUBLISHED_TARGET_LAYERS))
-    overrides = {"use_domino_head": draft_args.use_domino_head}
-    if draft_args.gru_hidden_dim:
-        overrides["gru_hidden_dim"] = draft_args.gru_hidden_dim
-    if draft_args.emb_dim:
-        overrides["emb_dim"] = draft_args.emb_dim
-    if draft_args.target_layer_ids:
-        overrides["target_layer_ids"] = [int(i) for i in draft_args.target_layer_ids.split(",")]
-    if draft_args.mask_token_id is not None:
-        overrides["mask_token_id"] = draft_args.mask_token_id
-    draft = DominoDraftModel.from_target(
-        target, num_hidden_layers=layers, block_size=draft_args.block_size, tokenizer=tokenizer, **overrides
-    )
-    return draft.float()  # master weights in fp32; --bf16 trains under autocast
+    layers = max(1, round(num_target_layers * PUBLISHED_DRAFT_LAYERS / PUBLISHED_TARGET_LAYERS))
+    shape = {"num_hidden_layers": layers, "block_size": 16, **shape}
+    return DominoDraftModel.from_target(target, tokenizer=tokenizer, **shape).float()
 
 
 def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTrainingArguments]:
@@ -143,6 +174,16 @@ def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTraini
     if known.config:
         with open(known.config, encoding="utf-8") as file:
             values = yaml.safe_load(file) or {}
+        if "output" in values:  # the alias of output_dir, as on the command line
+            values["output_dir"] = values.pop("output")
+        if isinstance(values.get("target_layer_ids"), list):
+            values["target_layer_ids"] = ",".join(str(layer) for layer in values["target_layer_ids"])
+        flags = {action.dest for action in parser._actions}
+        unknown = sorted(set(values) - flags)
+        if unknown:
+            hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, flags, 1)) else key
+                     for key in unknown]  # fmt: skip
+            raise ValueError(f"{known.config}: unknown keys {', '.join(hints)}; keys are the flag names of `train`.")
         parser.set_defaults(**values)
         for action in parser._actions:  # a value from the file satisfies a required flag
             if action.dest in values:
@@ -159,7 +200,9 @@ def train(argv: list[str]) -> None:
 
     draft_args, training_args = parse_train_arguments(argv)
     set_seed(training_args.seed)
-    target, tokenizer = load_target(draft_args.target, dtype=torch.float32 if not torch.cuda.is_available() else None)
+    if not os.path.exists(draft_args.data):
+        raise FileNotFoundError(f"--data {draft_args.data}: no such file (make one with `domino-spec generate-data`)")
+    target, tokenizer = load_target(draft_args.target)
     dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
     check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], draft_args.data)
     print(json.dumps({"data": summarize(dataset)}, indent=2))
@@ -176,9 +219,28 @@ def train(argv: list[str]) -> None:
         train_dataset=dataset,
         data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
+    stopped_by = trainer.stop_on_signal.received
+    if stopped_by is not None:
+        print(f"{stopped_by.name}: stopped at step {trainer.state.global_step} with a checkpoint in "
+              f"{training_args.output_dir}; rerun the same command to resume.", file=sys.stderr)  # fmt: skip
+        raise SystemExit(128 + stopped_by.value)
     trainer.save_model(training_args.output_dir)
     print(f"saved the draft to {training_args.output_dir}")
+
+
+def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | bool | None:
+    """`--resume_from_checkpoint` (a folder, or `true`: the last in output_dir); without it the last checkpoint in
+    output_dir, so that rerunning an interrupted command continues it, unless `--restart`."""
+    chosen = training_args.resume_from_checkpoint
+    if chosen is not None:
+        return True if chosen.lower() in ("true", "last") else chosen
+    if training_args.restart or not os.path.isdir(training_args.output_dir):
+        return None
+    last = get_last_checkpoint(training_args.output_dir)
+    if last is not None:
+        print(f"resuming from {last} (--restart starts over)")
+    return last
 
 
 def cache_features(argv: list[str]) -> None:
@@ -191,7 +253,7 @@ def cache_features(argv: list[str]) -> None:
     from .features import FeatureStore
 
     draft_args, training_args = parse_train_arguments(argv)
-    target, tokenizer = load_target(draft_args.target, dtype=torch.float32 if not torch.cuda.is_available() else None)
+    target, tokenizer = load_target(draft_args.target)
     dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
     layer_ids = build_draft(draft_args, target, tokenizer).config.target_layer_ids
     store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir)

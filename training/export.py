@@ -34,7 +34,7 @@ def sglang_problems(config) -> list[str]:
     if not config.use_domino_head and config.shift_label:
         problems.append(
             "no Domino head but shift_label=True: the DFlash layout has no shift_label field and SGLang reads block "
-            "position 0 as the anchor; train the head-less draft with shift_label=False, or keep the head"
+            "position 0 as the anchor; train the head-less draft with `--shift_label false`, or keep the head"
         )
     return problems
 

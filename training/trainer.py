@@ -1,10 +1,12 @@
 """DominoTrainer: `transformers.Trainer` with a frozen target (features online or from a store) and the Domino loss."""
 
 import logging
+import signal
+import threading
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from .features import target_hidden_states
 from .loss import block_labels, curriculum_lambda, domino_loss
@@ -32,6 +34,40 @@ class DominoTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Must stay False: the collator's columns are all used by compute_loss."}
     )
+    restart: bool = field(
+        default=False,
+        metadata={"help": "Start from step 0 even if output_dir holds checkpoints (default: resume from the last)."},
+    )
+
+
+class StopOnSignal(TrainerCallback):
+    """SIGTERM (a scheduler's stop) or Ctrl-C during training: save a checkpoint at the end of the current step and
+    stop, so that rerunning the same command resumes there (`domino-spec train` resumes from the last checkpoint).
+    A second Ctrl-C interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: signal.Signals | None = None
+        self._previous_handlers = {}
+
+    def _receive(self, number, frame) -> None:
+        self.received = signal.Signals(number)
+        signal.signal(number, self._previous_handlers[number])
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if threading.current_thread() is threading.main_thread():  # Python sets signal handlers there only
+            self._previous_handlers = {number: signal.signal(number, self._receive) for number in self.SIGNALS}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.received is not None:
+            logger.warning("%s: saving a checkpoint at step %d and stopping", self.received.name, state.global_step)
+            control.should_save = control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for number, handler in self._previous_handlers.items():
+            signal.signal(number, handler)
+        self._previous_handlers = {}
 
 
 class DominoTrainer(Trainer):
@@ -40,7 +76,8 @@ class DominoTrainer(Trainer):
     The target stays outside `Trainer.model`: it is not optimised, not checkpointed and not wrapped by
     DDP/FSDP; it is moved to the training device here. Each step computes its tapped hidden states with
     no grad, then `loss = lam * CE(base) + (1 - lam) * CE(final)` with `lam` from `curriculum_lambda`.
-    Every checkpoint is a loadable draft folder (weights, config, model code).
+    Every checkpoint is a loadable draft folder (weights, config, model code). SIGTERM or Ctrl-C saves one and
+    stops (`stop_on_signal.received` then names the signal).
     """
 
     def __init__(self, model: PreTrainedModel, target: PreTrainedModel, args: DominoTrainingArguments, **kwargs):
@@ -51,6 +88,8 @@ class DominoTrainer(Trainer):
         self.target = target.to(self.args.device).eval().requires_grad_(False)
         self._metric_sums: dict[str, float] = {}
         self._metric_count = 0
+        self.stop_on_signal = StopOnSignal()
+        self.add_callback(self.stop_on_signal)
 
     def current_lambda(self) -> float:
         return curriculum_lambda(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped SmolLM2-135M draft and the README's results table on a CPU machine.
-# Rerun it after an interruption: regeneration and feature caching resume, finished drafts are kept.
+# Rerun it after an interruption: regeneration, feature caching and training resume; finished drafts are kept.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUN=runs/smollm2
