@@ -17,7 +17,8 @@ HUMANEVAL_SETS = ("humaneval",)
 UNSCORED_SETS = ("mt-bench",)  # open-ended answers: no reference to compare with
 HUMANEVAL_TIMEOUT_S = 3.0
 
-FENCED_CODE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+# A fence's info string is any language tag (python, py3, python3, ...), and lines may end in CRLF.
+FENCED_CODE = re.compile(r"```[ \t]*[\w+-]*[ \t]*\r?\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 @functools.cache

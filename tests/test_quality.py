@@ -69,6 +69,8 @@ def test_sandbox_blocks_processes_and_network():
 def test_extract_code_prefers_the_fenced_function():
     assert extract_code(CHAT_ANSWER).startswith("from typing import List\n\ndef running_max")
     assert extract_code(CORRECT_BODY) == CORRECT_BODY
+    for fence in ("```python3\n", "```py3\n", "``` Python \r\n"):  # other language tags, CRLF line ends
+        assert extract_code(f"Here:\n{fence}def f():\n    return 1\n```\n") == "def f():\n    return 1\n"
 
 
 def test_score_report_scores_every_method_and_open_ended_sets_are_unscored():
