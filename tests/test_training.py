@@ -1,5 +1,6 @@
 """Training: data pipeline, loss and curriculum, DominoTrainer, the CLI, and a 2-process accelerate run."""
 
+import copy
 import json
 import os
 import shutil
@@ -285,6 +286,20 @@ def test_training_dataset_masks_response_and_drops_duplicates(tmp_path):
         check_vocabulary(dataset, vocab_size=6, data_path="d.jsonl")
 
 
+def test_data_of_another_tokenizer_is_refused_even_where_its_ids_fit(tmp_path):
+    from domino_spec.training.data import check_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    response_ids = tokenizer("the answer is 4", add_special_tokens=False)["input_ids"]
+    record = {"id": "a", "prompt_ids": [3], "response_ids": response_ids, "response": "the answer is 4"}
+    _write_jsonl(tmp_path / "d.jsonl", [record])
+    check_tokenizer(str(tmp_path / "d.jsonl"), tokenizer)
+    shifted = [(token + 1) % 100 for token in response_ids]  # another tokenizer's ids for the same text
+    _write_jsonl(tmp_path / "d.jsonl", [record, {**record, "id": "b", "response_ids": shifted}])
+    with pytest.raises(ValueError, match="record 'b'.*tokenized by another tokenizer"):
+        check_tokenizer(str(tmp_path / "d.jsonl"), tokenizer)
+
+
 def test_train_arguments_from_yaml_and_command_line(tmp_path):
     (tmp_path / "recipe.yaml").write_text("target: t\nlearning_rate: 0.001\nnum_anchors: 32\nblock_size: 8\n")
     argv = ["--data", "d.jsonl", "--output", str(tmp_path / "o"), "--config", str(tmp_path / "recipe.yaml")]
@@ -451,17 +466,19 @@ def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
     store_dir = str(tmp_path / "store")
     store = FeatureStore.build(target, dataset.select(range(3)), draft.config.target_layer_ids, store_dir)
     with pytest.raises(ValueError, match="other training data"):
-        store.check(dataset, draft.config.target_layer_ids)
+        store.check(dataset, draft.config.target_layer_ids, target)
     # An interrupted build of the full set resumes after the examples already written.
     index = json.loads((tmp_path / "store" / "index.json").read_text())
     index["fingerprint"], index["complete"] = dataset_fingerprint(dataset), False
     (tmp_path / "store" / "index.json").write_text(json.dumps(index))
     first_example = store[0]
     store = FeatureStore.build(target, dataset, draft.config.target_layer_ids, store_dir)
-    store.check(dataset, draft.config.target_layer_ids)
+    store.check(dataset, draft.config.target_layer_ids, copy.deepcopy(target).to(torch.bfloat16))  # any dtype
     assert len(store) == 5 and torch.equal(store[0], first_example)
     with pytest.raises(ValueError, match="taps target layers"):
-        store.check(dataset, [1, 2])
+        store.check(dataset, [1, 2], target)
+    with pytest.raises(ValueError, match="built by another target"):
+        store.check(dataset, draft.config.target_layer_ids, tiny_target("llama", seed=5))
 
     examples = [dataset[i] for i in range(len(dataset))]
     torch.manual_seed(0)

@@ -194,23 +194,19 @@ def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTraini
 
 def train(argv: list[str]) -> None:
     from .collator import DominoDataCollator
-    from .data import check_vocabulary, load_training_dataset, summarize
+    from .data import summarize
     from .features import FeatureStore
     from .trainer import DominoTrainer
 
     draft_args, training_args = parse_train_arguments(argv)
     set_seed(training_args.seed)
-    if not os.path.exists(draft_args.data):
-        raise FileNotFoundError(f"--data {draft_args.data}: no such file (make one with `domino-spec generate-data`)")
-    target, tokenizer = load_target(draft_args.target)
-    dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
-    check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], draft_args.data)
+    target, tokenizer, dataset = load_target_and_data(draft_args)
     print(json.dumps({"data": summarize(dataset)}, indent=2))
     draft = build_draft(draft_args, target, tokenizer)
     feature_store = None
     if draft_args.features:
         feature_store = FeatureStore(draft_args.features)
-        feature_store.check(dataset, draft.config.target_layer_ids)
+        feature_store.check(dataset, draft.config.target_layer_ids, target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = DominoTrainer(
         model=draft,
@@ -227,6 +223,19 @@ def train(argv: list[str]) -> None:
         raise SystemExit(128 + stopped_by.value)
     trainer.save_model(training_args.output_dir)
     print(f"saved the draft to {training_args.output_dir}")
+
+
+def load_target_and_data(draft_args: DraftArguments):
+    """`(target, tokenizer, dataset)` of `train` and `cache-features`, the data checked against the target."""
+    from .data import check_tokenizer, check_vocabulary, load_training_dataset
+
+    if not os.path.exists(draft_args.data):
+        raise FileNotFoundError(f"--data {draft_args.data}: no such file (make one with `domino-spec generate-data`)")
+    target, tokenizer = load_target(draft_args.target)
+    check_tokenizer(draft_args.data, tokenizer)
+    dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
+    check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], draft_args.data)
+    return target, tokenizer, dataset
 
 
 def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | bool | None:
@@ -249,12 +258,10 @@ def cache_features(argv: list[str]) -> None:
     Takes the same flags and `--config` as `train` (the draft's tapped layers decide what is stored); `--output` is
     the store's folder.
     """
-    from .data import load_training_dataset
     from .features import FeatureStore
 
     draft_args, training_args = parse_train_arguments(argv)
-    target, tokenizer = load_target(draft_args.target)
-    dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
+    target, tokenizer, dataset = load_target_and_data(draft_args)
     layer_ids = build_draft(draft_args, target, tokenizer).config.target_layer_ids
     store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir)
     print(f"features of {len(store)} examples (target layers {layer_ids}) in {training_args.output_dir}")

@@ -6,6 +6,7 @@ restarted, so an interrupted run loses at most the batch in flight.
 """
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -287,6 +288,20 @@ def check_vocabulary(dataset, vocab_size: int, data_path: str) -> None:
             f"{data_path} holds token id {largest}, but the target's vocabulary has {vocab_size} tokens: the data was "
             "tokenized for another model. Regenerate it with `domino-spec generate-data --target` this target."
         )
+
+
+def check_tokenizer(data_path: str, tokenizer, samples: int = 32) -> None:
+    """Raise `ValueError` if the first `samples` regenerated responses decode to other text with `tokenizer` than
+    the records hold: another tokenizer made the data, even where its ids fit the vocabulary."""
+    for record in itertools.islice(_read_jsonl(data_path), samples):
+        if "response" not in record:  # hand-made records: ids only
+            continue
+        if tokenizer.decode(record["response_ids"], skip_special_tokens=True) != record["response"]:
+            raise ValueError(
+                f"{data_path}, record {record.get('id')!r}: its response_ids decode to other text with the target's "
+                "tokenizer than its response: the data was tokenized by another tokenizer. Regenerate it with "
+                "`domino-spec generate-data --target` this target."
+            )
 
 
 def summarize(dataset) -> dict:

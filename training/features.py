@@ -7,11 +7,15 @@ never run.
 
 import hashlib
 import json
+import logging
 import os
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+SIGNATURE_VALUES = 256  # leading values of each target weight hashed into its signature
 
 
 class _StopAfterLastTappedLayer(Exception):
@@ -62,6 +66,16 @@ def dataset_fingerprint(dataset) -> str:
     return digest.hexdigest()
 
 
+def target_signature(target) -> str:
+    """Hash of the target's weights (the first `SIGNATURE_VALUES` of each, in bf16, so that the dtype a target is
+    loaded in does not matter): a store is only valid for the target that computed it."""
+    digest = hashlib.sha256()
+    for name, weight in target.state_dict().items():
+        sample = weight.detach().flatten()[:SIGNATURE_VALUES].to("cpu", torch.bfloat16)
+        digest.update(name.encode() + sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class FeatureStore:
     """fp16 target features of a training set: `features.bin` (all examples back to back) and `index.json`."""
 
@@ -85,24 +99,32 @@ class FeatureStore:
     def __getitem__(self, example: int) -> torch.Tensor:
         return torch.from_numpy(np.array(self.features[self.offsets[example] : self.offsets[example + 1]]))
 
-    def check(self, dataset, layer_ids: list[int]) -> None:
-        """Raise `ValueError` unless this store was built from `dataset` with these tapped layers."""
+    def check(self, dataset, layer_ids: list[int], target) -> None:
+        """Raise `ValueError` unless this store was built by `target` from `dataset` with these tapped layers."""
         if list(layer_ids) != self.layer_ids:
             raise ValueError(f"the feature store taps target layers {self.layer_ids}, the draft {list(layer_ids)}")
         if self.index["fingerprint"] != dataset_fingerprint(dataset):
             raise ValueError("the feature store was built from other training data: rebuild it for this --data")
+        if "target" not in self.index:
+            logger.warning("the feature store predates target signatures: it cannot be checked against the target")
+        elif self.index["target"] != target_signature(target):
+            raise ValueError(
+                "the feature store was built by another target (or other weights of it): rebuild it with "
+                "`domino-spec cache-features --target` this target"
+            )
 
     @staticmethod
     def build(target, dataset, layer_ids: list[int], directory: str) -> "FeatureStore":
         """Compute and write the features of every example; resumes an interrupted build where it stopped."""
         os.makedirs(directory, exist_ok=True)
         index_path = os.path.join(directory, "index.json")
-        fingerprint = dataset_fingerprint(dataset)
-        index = {"layer_ids": list(layer_ids), "fingerprint": fingerprint, "offsets": [0], "complete": False}
+        identity = {"layer_ids": list(layer_ids), "fingerprint": dataset_fingerprint(dataset)}
+        identity["target"] = target_signature(target)
+        index = {**identity, "offsets": [0], "complete": False}
         if os.path.exists(index_path):
             with open(index_path, encoding="utf-8") as file:
                 previous = json.load(file)
-            if previous["layer_ids"] == list(layer_ids) and previous["fingerprint"] == fingerprint:
+            if all(previous.get(key) == value for key, value in identity.items()):
                 index = previous
         data_path = os.path.join(directory, "features.bin")
         done = len(index["offsets"]) - 1
@@ -111,16 +133,26 @@ class FeatureStore:
             for example in tqdm(range(done, len(dataset)), initial=done, total=len(dataset), desc="target features"):
                 input_ids = torch.tensor([dataset[example]["input_ids"]], device=target.device)
                 features = target_hidden_states(target, input_ids, None, layer_ids)[0].to(torch.float16).cpu()
+                if not torch.isfinite(features).all():
+                    raise ValueError(
+                        f"example {example}: target features beyond fp16's range (|h| > 65504) at layers {layer_ids}; "
+                        "train with online features (no --features), or tap other layers"
+                    )
                 index["width"] = features.shape[-1]
                 data.write(features.numpy().tobytes())
                 index["offsets"].append(index["offsets"][-1] + features.shape[0])
                 if example % 50 == 0 or example == len(dataset) - 1:
-                    data.flush()
+                    _sync(data)  # on disk before the index that counts it
                     _write_json(index_path, index)
             index["complete"] = True
-            data.flush()
+            _sync(data)
         _write_json(index_path, index)
         return FeatureStore(directory)
+
+
+def _sync(file) -> None:
+    file.flush()
+    os.fsync(file.fileno())
 
 
 def _write_json(path: str, value: dict) -> None:
