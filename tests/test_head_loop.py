@@ -66,12 +66,14 @@ def test_derived_weights_follow_weight_updates(target_and_draft):
 def test_derived_tensors_are_rebuilt_for_a_new_source_where_a_freed_one_was(target_and_draft):
     """Say a target is freed and another loaded: its embedding often lands at the freed address, with version 0."""
     _, draft = target_and_draft
+
+    def doubled(source: torch.Tensor) -> torch.Tensor:
+        return draft._derived("doubled", (source,), lambda: source * 2)
+
     for attempt in range(20):  # the allocator reuses a freed block often, not always
-        first = torch.ones(64, 64)
-        draft._derived("doubled", (first,), lambda: first * 2)
-        del first
+        doubled(torch.ones(64, 64))  # its source is freed on return
         second = torch.full((64, 64), 3.0)
-        assert torch.equal(draft._derived("doubled", (second,), lambda: second * 2), second * 2), attempt
+        assert torch.equal(doubled(second), second * 2), attempt
 
 
 def test_candidate_pool_of_the_whole_vocabulary_changes_nothing(target_and_draft):

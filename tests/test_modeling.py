@@ -403,6 +403,25 @@ def test_check_target_rejects_another_target(target_overrides, message):
         draft.check_target(tiny_target("qwen3", **target_overrides))
 
 
+def test_check_target_warns_of_a_same_shaped_target_of_another_name():
+    draft = tiny_draft(tiny_target("qwen3"))
+    draft.config.target_model_name = "Qwen/Qwen3-8B"
+    target = tiny_target("qwen3")
+    target.name_or_path = "/models/qwen3-8b/"  # a local copy of the same model: no warning
+    draft.check_target(target)
+    target.name_or_path = "Qwen/Qwen3-8B-Base"
+    with pytest.warns(UserWarning, match="built for Qwen/Qwen3-8B, and the target is Qwen/Qwen3-8B-Base"):
+        draft.check_target(target)
+
+
+def test_target_features_without_positions_or_as_a_tuple_name_the_fix():
+    setup = make_setup()
+    with pytest.raises(ValueError, match="pass context_position_ids"):
+        setup.draft.extend_context(DominoContextCache(), setup.target_hidden, None)
+    with pytest.raises(TypeError, match=r"not a tuple: pass draft.fuse_target_hidden_states\(outputs.hidden_states\)"):
+        setup.draft.extend_context(DominoContextCache(), (setup.target_hidden,), setup.position_ids)
+
+
 def test_draft_block_without_context_raises():
     setup = make_setup()
     with pytest.raises(ValueError, match="draft_block needs target context"):

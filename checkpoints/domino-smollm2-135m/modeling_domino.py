@@ -273,6 +273,11 @@ class DominoDecoderLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def _model_name(name_or_path: str) -> str:
+    """A model's name without its folder or Hub organisation: a local copy and the Hub id compare equal."""
+    return os.path.basename(name_or_path.rstrip("/")).lower()
+
+
 class DominoDraftModel(PreTrainedModel):
     """Domino draft: DFlash backbone (`fc`, `hidden_norm`, `layers`, `norm`) and, when `config.use_domino_head`,
     the causal correction head (`prefix_gru`, `embed_proj`), under the published weight names.
@@ -401,8 +406,16 @@ class DominoDraftModel(PreTrainedModel):
             )
         elif num_layers != config.num_target_layers:
             problems.append(f"{num_layers} layers (draft expects {config.num_target_layers})")
+        built_for, target_name = config.target_model_name, getattr(target, "name_or_path", None)
+        if not problems and built_for and target_name and _model_name(built_for) != _model_name(target_name):
+            warnings.warn(
+                f"This Domino draft was built for {built_for}, and the target is {target_name}: same shapes, but a "
+                "draft trained on another model's outputs (say, the base model of a chat model) drafts poorly. "
+                "Outputs stay exact (the target verifies every draft).",
+                stacklevel=2,
+            )
         if problems:
-            built_for = config.target_model_name or "another target"
+            built_for = built_for or "another target"
             target_name = getattr(target, "name_or_path", None) or type(target).__name__
             raise ValueError(
                 f"This Domino draft was built for {built_for}, but the target {target_name} has "
@@ -715,6 +728,13 @@ class DominoDraftModel(PreTrainedModel):
         Only the new positions are computed; `attention_mask` (`[B, T_new]`) marks slots that hold no committed
         token (padding, rejected drafts) with 0.
         """
+        if not isinstance(target_hidden, torch.Tensor):
+            raise TypeError(
+                f"target_hidden must be the tapped layers' features, a tensor [B, T, n_layers * D], not a "
+                f"{type(target_hidden).__name__}: pass draft.fuse_target_hidden_states(outputs.hidden_states)."
+            )
+        if position_ids is None:
+            raise ValueError("target_hidden needs the positions of its tokens: pass context_position_ids ([B, T]).")
         previous_length = past_key_values.get_seq_length()
         for layer_idx, (keys, values) in enumerate(self.project_context(target_hidden, position_ids)):
             past_key_values.append(layer_idx, keys, values)
