@@ -87,14 +87,17 @@ class DominoContextCache:
             self.attention_mask = new_mask.new_ones(batch_size, previous_length, dtype=torch.bool)
         self.attention_mask = torch.cat([self.attention_mask, new_mask.bool()], dim=-1)
 
-    def crop(self, num_slots: int) -> None:
-        """Drop the last `num_slots` context slots."""
-        if num_slots <= 0:
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` context slots; a negative value drops that many from the end (as
+        transformers' `DynamicCache.crop`)."""
+        if max_length < 0:
+            max_length = max(self.get_seq_length() + max_length, 0)
+        if max_length >= self.get_seq_length():
             return
-        self.keys = [k[..., :-num_slots, :] for k in self.keys]
-        self.values = [v[..., :-num_slots, :] for v in self.values]
+        self.keys = [k[..., :max_length, :] for k in self.keys]
+        self.values = [v[..., :max_length, :] for v in self.values]
         if self.attention_mask is not None:
-            self.attention_mask = self.attention_mask[:, :-num_slots]
+            self.attention_mask = self.attention_mask[:, :max_length]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (drop finished sequences)."""

@@ -230,7 +230,7 @@ def measure_draft(
         return draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_positions)
 
     def crop_new_context():
-        draft_cache.crop(block_size + 1)
+        draft_cache.crop(-(block_size + 1))
 
     block_embeds, draft_hidden, base_logits = backbone()
     timings = {}

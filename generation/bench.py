@@ -22,7 +22,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from ..training.data import prompt_token_ids
+from ..training.data import eos_token_ids, prompt_token_ids
 from .engine import speculative_generate
 
 METHODS = ("plain", "prompt-lookup", "dflash", "domino-hf", "domino")
@@ -137,7 +137,7 @@ def run_bench(
         raise ValueError(f"methods {missing} need a draft: pass --domino DIR and/or --dflash DIR, or drop them")
     if "plain" not in methods:
         raise ValueError("the plain method is the baseline of every speedup and output check; keep it in --methods")
-    eos = _eos_ids(target, tokenizer)
+    eos = eos_token_ids(target, tokenizer)
     eval_sets = list(prompts)
     runs = {name: {method: MethodRun() for method in methods} for name in eval_sets}
 
@@ -176,12 +176,6 @@ def run_bench(
         "texts": {name: {m: runs[name][m].texts for m in methods} for name in eval_sets},
         "references": {name: [item["reference"] for item in prompts[name]] for name in eval_sets},
     }
-
-
-def _eos_ids(target, tokenizer) -> list[int]:
-    eos = target.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    return eos or [tokenizer.eos_token_id]
 
 
 def machine_description() -> dict:

@@ -422,6 +422,22 @@ def test_target_features_without_positions_or_as_a_tuple_name_the_fix():
         setup.draft.extend_context(DominoContextCache(), (setup.target_hidden,), setup.position_ids)
 
 
+def test_context_cache_crops_as_dynamic_cache_does():
+    """`crop(n)` keeps the first n slots, `crop(-n)` drops the last n, as transformers' `DynamicCache.crop`."""
+    setup = make_setup()
+    cache = setup.cache([(0, ANCHOR)])
+    keys, mask = cache.keys[0].clone(), torch.ones(1, ANCHOR, dtype=torch.bool)
+    mask[0, 3] = False
+    cache.attention_mask = mask.clone()
+    cache.crop(-2)
+    assert cache.get_seq_length() == ANCHOR - 2 and torch.equal(cache.keys[0], keys[..., : ANCHOR - 2, :])
+    cache.crop(5)
+    assert cache.get_seq_length() == 5 and cache.values[0].shape[-2] == 5
+    assert torch.equal(cache.keys[0], keys[..., :5, :]) and torch.equal(cache.attention_mask, mask[:, :5])
+    cache.crop(9)  # longer than the cache: nothing to drop
+    assert cache.get_seq_length() == 5
+
+
 def test_draft_block_without_context_raises():
     setup = make_setup()
     with pytest.raises(ValueError, match="draft_block needs target context"):

@@ -191,7 +191,7 @@ def regenerate_responses(
             todo.append((prompt, ids))
     todo.sort(key=lambda item: len(item[1]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = _eos_ids(target, tokenizer)
+    eos_ids = eos_token_ids(target, tokenizer)
     device = target.device
     generator_seed = torch.Generator().manual_seed(seed)
     written = 0
@@ -231,7 +231,8 @@ def regenerate_responses(
     return written
 
 
-def _eos_ids(target, tokenizer) -> list[int]:
+def eos_token_ids(target, tokenizer) -> list[int]:
+    """The ids that end a response: the target's generation config's, and the tokenizer's EOS."""
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
