@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PreTrainedModel
 from transformers import initialization as init
+from transformers.cache_utils import StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
@@ -274,6 +275,13 @@ class DominoDecoderLayer(nn.Module):
         hidden_states = residual + self.self_attn(hidden_states, cos, sin, context_keys, context_values, attention_mask)
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def _croppable_cache(cache_implementation: str | None) -> bool:
+    """Whether transformers' cache of `generation_config.cache_implementation` can drop rejected drafts."""
+    if cache_implementation in (None, "dynamic"):
+        return True
+    return cache_implementation == "static" and getattr(StaticLayer, "is_croppable", False)
 
 
 def _model_name(name_or_path: str) -> str:
@@ -827,11 +835,12 @@ class DominoDraftModel(PreTrainedModel):
                 f"{input_ids.shape[0]}): transformers' assisted decoding is batch-1 only. For batches use "
                 "`domino_spec.generation.speculative_generate(target, draft, input_ids, attention_mask=...)`."
             )
-        if generation_config.cache_implementation not in (None, "dynamic"):
+        if not _croppable_cache(generation_config.cache_implementation):
             raise ValueError(
                 f"Domino speculative decoding needs a cache it can crop after each verification; "
-                f"cache_implementation={generation_config.cache_implementation!r} cannot be cropped. "
-                "Leave cache_implementation unset (dynamic cache)."
+                f"cache_implementation={generation_config.cache_implementation!r} cannot be cropped here. "
+                "Leave cache_implementation unset (dynamic cache), or use 'static' where transformers' static cache "
+                "can be cropped (5.24 on)."
             )
         return DominoCandidateGenerator(self, target, generation_config, logits_processor, tokenizer)
 

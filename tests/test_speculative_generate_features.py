@@ -10,6 +10,7 @@ from domino_spec.generation import left_pad
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tokenizer_models
 from transformers import GenerationMixin, PreTrainedTokenizerFast
+from transformers.cache_utils import StaticLayer
 from transformers.generation.streamers import BaseStreamer
 
 from domino_spec.generation import speculative_generate
@@ -109,15 +110,26 @@ def test_generate_hook_is_idempotent_and_keeps_other_assistants(models):
     assert torch.equal(output, reference)
 
 
+def test_static_cache_where_transformers_can_crop_it(models):
+    target, draft = models
+    settings = dict(max_new_tokens=24, do_sample=False, cache_implementation="static")
+    for prompt in random_prompts(3, seed=11):
+        if getattr(StaticLayer, "is_croppable", False):  # transformers 5.24 on
+            reference = target.generate(prompt, **settings)
+            assert torch.equal(target.generate(prompt, assistant_model=draft, **settings), reference)
+        else:  # ours names the setting; older transformers rejects a static cache for assisted decoding first
+            with pytest.raises(ValueError, match="cache_implementation='static'|not supported with Static cache"):
+                target.generate(prompt, assistant_model=draft, **settings)
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 
 def test_hf_path_errors(models):
     target, draft = models
     prompt = random_prompts(1, seed=8)[0]
-    # Ours names the setting; transformers < 5.2x rejects a static cache for assisted decoding before asking us.
-    with pytest.raises(ValueError, match="cache_implementation='static'|not supported with Static cache"):
-        target.generate(prompt, max_new_tokens=5, assistant_model=draft, cache_implementation="static")
+    with pytest.raises(ValueError, match="cache_implementation='offloaded_static' cannot be cropped"):
+        target.generate(prompt, max_new_tokens=5, assistant_model=draft, cache_implementation="offloaded_static")
     with pytest.raises(ValueError, match="num_return_sequences"):
         target.generate(prompt, max_new_tokens=5, do_sample=True, num_return_sequences=2, assistant_model=draft)
     with pytest.raises(ValueError, match="speculative_generate"):

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PreTrainedModel
 from transformers import initialization as init
+from transformers.cache_utils import StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
@@ -87,14 +88,17 @@ class DominoContextCache:
             self.attention_mask = new_mask.new_ones(batch_size, previous_length, dtype=torch.bool)
         self.attention_mask = torch.cat([self.attention_mask, new_mask.bool()], dim=-1)
 
-    def crop(self, num_slots: int) -> None:
-        """Drop the last `num_slots` context slots."""
-        if num_slots <= 0:
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` context slots; a negative value drops that many from the end (as
+        transformers' `DynamicCache.crop`)."""
+        if max_length < 0:
+            max_length = max(self.get_seq_length() + max_length, 0)
+        if max_length >= self.get_seq_length():
             return
-        self.keys = [k[..., :-num_slots, :] for k in self.keys]
-        self.values = [v[..., :-num_slots, :] for v in self.values]
+        self.keys = [k[..., :max_length, :] for k in self.keys]
+        self.values = [v[..., :max_length, :] for v in self.values]
         if self.attention_mask is not None:
-            self.attention_mask = self.attention_mask[:, :-num_slots]
+            self.attention_mask = self.attention_mask[:, :max_length]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (drop finished sequences)."""
@@ -271,6 +275,13 @@ class DominoDecoderLayer(nn.Module):
         hidden_states = residual + self.self_attn(hidden_states, cos, sin, context_keys, context_values, attention_mask)
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def _croppable_cache(cache_implementation: str | None) -> bool:
+    """Whether transformers' cache of `generation_config.cache_implementation` can drop rejected drafts."""
+    if cache_implementation in (None, "dynamic"):
+        return True
+    return cache_implementation == "static" and getattr(StaticLayer, "is_croppable", False)
 
 
 def _model_name(name_or_path: str) -> str:
@@ -824,11 +835,12 @@ class DominoDraftModel(PreTrainedModel):
                 f"{input_ids.shape[0]}): transformers' assisted decoding is batch-1 only. For batches use "
                 "`domino_spec.generation.speculative_generate(target, draft, input_ids, attention_mask=...)`."
             )
-        if generation_config.cache_implementation not in (None, "dynamic"):
+        if not _croppable_cache(generation_config.cache_implementation):
             raise ValueError(
                 f"Domino speculative decoding needs a cache it can crop after each verification; "
-                f"cache_implementation={generation_config.cache_implementation!r} cannot be cropped. "
-                "Leave cache_implementation unset (dynamic cache)."
+                f"cache_implementation={generation_config.cache_implementation!r} cannot be cropped here. "
+                "Leave cache_implementation unset (dynamic cache), or use 'static' where transformers' static cache "
+                "can be cropped (5.24 on)."
             )
         return DominoCandidateGenerator(self, target, generation_config, logits_processor, tokenizer)
 
