@@ -422,8 +422,8 @@ def test_target_features_without_positions_or_as_a_tuple_name_the_fix():
         setup.draft.extend_context(DominoContextCache(), (setup.target_hidden,), setup.position_ids)
 
 
-def test_context_cache_crops_as_dynamic_cache_does():
-    """`crop(n)` keeps the first n slots, `crop(-n)` drops the last n, as transformers' `DynamicCache.crop`."""
+def test_context_cache_crops_as_transformers_caches_do():
+    """`crop(-n)` drops the last n slots, as transformers' cache `crop`; `crop(n)` keeps the first n."""
     setup = make_setup()
     cache = setup.cache([(0, ANCHOR)])
     keys, mask = cache.keys[0].clone(), torch.ones(1, ANCHOR, dtype=torch.bool)

@@ -89,8 +89,8 @@ class DominoContextCache:
         self.attention_mask = torch.cat([self.attention_mask, new_mask.bool()], dim=-1)
 
     def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` context slots; a negative value drops that many from the end (as
-        transformers' `DynamicCache.crop`)."""
+        """A negative `max_length` drops that many slots from the end, as transformers' cache `crop` does; a positive
+        one keeps the first `max_length` slots (transformers' older `crop(max_length)`)."""
         if max_length < 0:
             max_length = max(self.get_seq_length() + max_length, 0)
         if max_length >= self.get_seq_length():
