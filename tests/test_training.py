@@ -1,6 +1,7 @@
 """Training: data pipeline, loss and curriculum, DominoTrainer, the CLI, and a 2-process accelerate run."""
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -237,6 +238,23 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-4, atol=1e-6)
 
 
+def test_gradient_checkpointing_trains_the_same_weights(tmp_path):
+    fields = {field.name for field in dataclasses.fields(DominoTrainingArguments)}
+    flag = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"  # 5.24
+    target = tiny_target("llama")
+    examples = _random_examples(count=2, length=16, prompt_length=4)
+    weights = []
+    for checkpointing in (False, True):
+        draft = tiny_draft(target, seed=3).float()
+        trainer = _trainer(tmp_path, target, draft, [dict(e) for e in examples], num_anchors=4, max_steps=2,
+                           optim="sgd", max_grad_norm=0.0, seed=0, **{flag: checkpointing})  # fmt: skip
+        trainer.train()
+        assert draft.layers[0].gradient_checkpointing == checkpointing
+        weights.append({name: tensor.detach().clone() for name, tensor in draft.named_parameters()})
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------------------- data and CLI
 
 
@@ -308,6 +326,11 @@ def test_train_arguments_from_yaml_and_command_line(tmp_path):
     assert draft_args.target == "t"  # a required flag given by the file
     assert draft_args.block_size == 8 and training_args.output_dir == str(tmp_path / "o")
     assert training_args.lr_scheduler_type == "cosine" and training_args.lambda_start == 1.0  # recipe defaults
+
+
+def test_training_arguments_the_domino_loss_cannot_honour_are_refused():
+    with pytest.raises(ValueError, match="no label smoothing"):
+        parse_train_arguments(["--target", "t", "--data", "d", "--label_smoothing_factor", "0.1"])
 
 
 def test_train_arguments_from_yaml_refuse_unknown_keys_and_take_the_output_alias_and_layer_lists(tmp_path):

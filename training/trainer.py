@@ -39,6 +39,11 @@ class DominoTrainingArguments(TrainingArguments):
         metadata={"help": "Start from step 0 even if output_dir holds checkpoints (default: resume from the last)."},
     )
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.label_smoothing_factor:
+            raise ValueError("label_smoothing_factor: the Domino loss has no label smoothing; leave it at 0.")
+
 
 class StopOnSignal(TrainerCallback):
     """SIGTERM (a scheduler's stop) or Ctrl-C during training: save a checkpoint at the end of the current step and

@@ -28,6 +28,7 @@ from transformers.cache_utils import StaticLayer
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
@@ -259,7 +260,7 @@ class DominoAttention(nn.Module):
         return self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
 
 
-class DominoDecoderLayer(nn.Module):
+class DominoDecoderLayer(GradientCheckpointingLayer):
     """A Qwen3 decoder layer whose attention also reads the target context (KV injection)."""
 
     def __init__(self, config: DominoConfig, layer_idx: int):
@@ -303,6 +304,7 @@ class DominoDraftModel(PreTrainedModel):
     _no_split_modules = ["DominoDecoderLayer"]
     _supports_sdpa = True
     _supports_flex_attn = True  # used by the training forward's block mask
+    supports_gradient_checkpointing = True  # `--gradient_checkpointing`: the decoder layers recompute in backward
     # The loss is computed by DominoTrainer from logits; Trainer must scale it for gradient accumulation.
     accepts_loss_kwargs = False
 
