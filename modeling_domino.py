@@ -355,7 +355,24 @@ class DominoDraftModel(PreTrainedModel):
     def from_target(
         cls, target: PreTrainedModel, num_hidden_layers: int = 1, block_size: int = 16, tokenizer=None, **overrides
     ) -> "DominoDraftModel":
-        """A randomly initialised draft matched to `target` (any HF causal LM: Qwen3, Qwen2, Llama, ...).
+        """A randomly initialised draft matched to `target` (any HF causal LM: Qwen3, Qwen2, Llama, ...), of the config
+        `config_for_target` gives."""
+        config = cls.config_for_target(target, num_hidden_layers, block_size, tokenizer, **overrides)
+        # Built in the target's dtype, not cast to it: a cast would also round the RoPE frequencies (a float buffer) to
+        # bf16, while from_pretrained keeps them in fp32, so the trained and the served draft would rotate differently.
+        draft = cls._from_config(config, dtype=target.dtype)
+        # Start the final norm at the target's, so base logits begin on the LM head's scale.
+        target_norm = getattr(getattr(target.get_decoder(), "norm", None), "weight", None)
+        if isinstance(target_norm, torch.Tensor) and target_norm.shape == draft.norm.weight.shape:
+            with torch.no_grad():
+                draft.norm.weight.copy_(target_norm)
+        return draft.to(device=target.device)
+
+    @staticmethod
+    def config_for_target(
+        target: PreTrainedModel, num_hidden_layers: int = 1, block_size: int = 16, tokenizer=None, **overrides
+    ) -> DominoConfig:
+        """The config of a draft matched to `target`.
 
         Layer shapes, vocabulary, RoPE and layer count come from the target. The head defaults scale the published
         Qwen3-8B head (hidden 4096: GRU 1024, rank 256) to the target's width. The mask token is the first embedding
@@ -392,15 +409,7 @@ class DominoDraftModel(PreTrainedModel):
             "target_model_name": getattr(target, "name_or_path", None) or None,
         }
         fields.update(overrides)
-        # Built in the target's dtype, not cast to it: a cast would also round the RoPE frequencies (a float buffer) to
-        # bf16, while from_pretrained keeps them in fp32, so the trained and the served draft would rotate differently.
-        draft = cls._from_config(DominoConfig(**fields), dtype=target.dtype)
-        # Start the final norm at the target's, so base logits begin on the LM head's scale.
-        target_norm = getattr(getattr(target.get_decoder(), "norm", None), "weight", None)
-        if isinstance(target_norm, torch.Tensor) and target_norm.shape == draft.norm.weight.shape:
-            with torch.no_grad():
-                draft.norm.weight.copy_(target_norm)
-        return draft.to(device=target.device)
+        return DominoConfig(**fields)
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise `ValueError` if `target` is not the model this draft was built for."""

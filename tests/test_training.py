@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
+from transformers import AutoModelForCausalLM
 
+from domino_spec import DominoDraftModel
 from domino_spec.training.cli import parse_train_arguments
 from domino_spec.training.collator import DominoDataCollator, sample_anchors
 from domino_spec.training.data import check_vocabulary, load_prompts, load_training_dataset, summarize
@@ -404,6 +406,24 @@ def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):
     assert result.returncode == 0, result.stderr
     ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]
     assert sorted(ids) == sorted(p["id"] for p in prompts)  # none lost, none twice, the cut line gone
+
+
+def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir):
+    from domino_spec.training.cli import main
+    from domino_spec.training.features import FeatureStore
+
+    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 30 + i))} for i in range(3)]
+    _write_jsonl(tmp_path / "data.jsonl", data)
+    flags = ["--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--draft_layers", "2"]
+    main(["cache-features", *flags, "--output", str(tmp_path / "features")])
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    expected = DominoDraftModel.from_target(target, num_hidden_layers=2).config.target_layer_ids
+    assert FeatureStore(str(tmp_path / "features")).layer_ids == expected
+    draft = tiny_draft(target, target_layer_ids=[0, 2], block_size=4)
+    draft.save_pretrained(tmp_path / "draft")
+    main(["cache-features", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"),
+          "--init_from", str(tmp_path / "draft"), "--output", str(tmp_path / "features_of_draft")])  # fmt: skip
+    assert FeatureStore(str(tmp_path / "features_of_draft")).layer_ids == [0, 2]
 
 
 def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target_dir):

@@ -22,6 +22,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..configuration_domino import DominoConfig
 from ..modeling_domino import DominoDraftModel
 from .export import main as export_main
 from .model_card import main as card_main
@@ -141,6 +142,13 @@ def draft_shape(draft_args: DraftArguments) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
+def fresh_draft_shape(draft_args: DraftArguments, target) -> dict:
+    """`draft_shape`, with the defaults of a fresh draft: block 16, the published ratio of draft to target layers."""
+    num_target_layers = target.config.get_text_config().num_hidden_layers
+    layers = max(1, round(num_target_layers * PUBLISHED_DRAFT_LAYERS / PUBLISHED_TARGET_LAYERS))
+    return {"num_hidden_layers": layers, "block_size": 16, **draft_shape(draft_args)}
+
+
 def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftModel:
     """A fresh draft of the flags' shape for `target`, or the `--init_from` draft; master weights in fp32 (--bf16
     trains under autocast)."""
@@ -156,10 +164,7 @@ def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftMod
             )
         draft.check_target(target)
         return draft.float()
-    num_target_layers = target.config.get_text_config().num_hidden_layers
-    layers = max(1, round(num_target_layers * PUBLISHED_DRAFT_LAYERS / PUBLISHED_TARGET_LAYERS))
-    shape = {"num_hidden_layers": layers, "block_size": 16, **shape}
-    return DominoDraftModel.from_target(target, tokenizer=tokenizer, **shape).float()
+    return DominoDraftModel.from_target(target, tokenizer=tokenizer, **fresh_draft_shape(draft_args, target)).float()
 
 
 def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTrainingArguments]:
@@ -262,7 +267,11 @@ def cache_features(argv: list[str]) -> None:
 
     draft_args, training_args = parse_train_arguments(argv)
     target, tokenizer, dataset = load_target_and_data(draft_args)
-    layer_ids = build_draft(draft_args, target, tokenizer).config.target_layer_ids
+    if draft_args.init_from:
+        layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids
+    else:  # the config alone: no draft weights to build
+        shape = fresh_draft_shape(draft_args, target)
+        layer_ids = DominoDraftModel.config_for_target(target, tokenizer=tokenizer, **shape).target_layer_ids
     store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir)
     print(f"features of {len(store)} examples (target layers {layer_ids}) in {training_args.output_dir}")
 

@@ -45,7 +45,7 @@ def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: 
     """Position-weighted cross-entropy, normalised per sequence then averaged over the batch.
 
     Normalising per sequence makes the loss of a batch the mean of its sequences' losses, so gradient
-    accumulation over micro-batches equals one large batch.
+    accumulation over micro-batches of equal size equals one large batch.
     """
     batch_size = logits.shape[0]
     token_loss = F.cross_entropy(
