@@ -232,12 +232,12 @@ def train(argv: list[str]) -> None:
 
 def load_target_and_data(draft_args: DraftArguments):
     """`(target, tokenizer, dataset)` of `train` and `cache-features`, the data checked against the target."""
-    from .data import check_tokenizer, check_vocabulary, load_training_dataset
+    from .data import check_regenerated_by, check_vocabulary, load_training_dataset
 
     if not os.path.exists(draft_args.data):
         raise FileNotFoundError(f"--data {draft_args.data}: no such file (make one with `domino-spec generate-data`)")
     target, tokenizer = load_target(draft_args.target)
-    check_tokenizer(draft_args.data, tokenizer)
+    check_regenerated_by(draft_args.data, target, tokenizer)
     dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
     check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], draft_args.data)
     return target, tokenizer, dataset
