@@ -458,6 +458,7 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
     result = _run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Total train batch size (w. parallel, distributed & accumulation) = 4" in result.stdout + result.stderr
+    assert "could not write the model card" not in result.stdout + result.stderr  # one process writes the folder
     check = (
         "from transformers import AutoModel;"
         f"m = AutoModel.from_pretrained({str(output)!r}, trust_remote_code=True);"
@@ -467,6 +468,37 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
     assert loaded.stdout.split() == ["DominoDraftModel", "1"], loaded.stderr
     state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+
+
+def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerunning_resumes(tmp_path, tiny_target_dir):
+    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
+    _write_jsonl(tmp_path / "data.jsonl", data)
+    output = tmp_path / "draft"
+    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    command += ["--dynamo_backend", "no", DOMINO_SPEC, "train", "--target", tiny_target_dir, "--ddp_backend", "gloo"]
+    command += ["--data", str(tmp_path / "data.jsonl"), "--output", str(output), "--per_device_train_batch_size", "2"]
+    command += ["--num_anchors", "4", "--draft_layers", "1", "--block_size", "4", "--report_to", "none"]
+    command += ["--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(command + ["--max_steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=environment)  # fmt: skip
+    for line in launcher.stdout:  # the first step's log: both processes are training
+        if "'loss'" in line:
+            break
+    workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[1]), signal.SIGTERM)  # as when a signal reaches one process a step before the other
+    log, _ = launcher.communicate(timeout=120)
+    stops = [line for line in log.splitlines() if "SIGTERM: saving a checkpoint at step" in line]
+    assert len(stops) == 2 and stops[0] == stops[1], log[-3000:]  # both processes, the same step
+    (checkpoint,) = [path for path in output.iterdir() if path.name.startswith("checkpoint-")]
+    assert not (output / "model.safetensors").exists()  # no process saved a "final" draft
+    assert "could not write the model card" not in log
+    stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+
+    result = _run(command + ["--max_steps", str(stopped_at + 1)], env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"resuming from {checkpoint}" in result.stdout and (output / "model.safetensors").exists()
 
 
 def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny_target_dir):

@@ -48,7 +48,8 @@ class DominoTrainingArguments(TrainingArguments):
 class StopOnSignal(TrainerCallback):
     """SIGTERM (a scheduler's stop) or Ctrl-C during training: save a checkpoint at the end of the current step and
     stop, so that rerunning the same command resumes there (`domino-spec train` resumes from the last checkpoint).
-    A second Ctrl-C interrupts at once."""
+    A second Ctrl-C interrupts at once. With several processes, all stop at the same step, whichever got the signal;
+    `received` then names it in every process."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -65,7 +66,15 @@ class StopOnSignal(TrainerCallback):
             self._previous_handlers = {number: signal.signal(number, self._receive) for number in self.SIGNALS}
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.received is not None:
+        number = 0 if self.received is None else self.received.value
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Every process stops at the same step for the signal any one of them got (a process that went on would
+            # wait forever in the next step's all-reduce, and one that finished would save a "final" draft).
+            flag = torch.tensor(number, device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            number = int(flag.item())
+        if number:
+            self.received = signal.Signals(number)
             logger.warning("%s: saving a checkpoint at step %d and stopping", self.received.name, state.global_step)
             control.should_save = control.should_training_stop = True
 
@@ -141,6 +150,8 @@ class DominoTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Trainer's save, plus the model card (`README.md`) and `training_summary.json` of the folder."""
         super()._save(output_dir, state_dict)
+        if not self.args.should_save:  # transformers 5.24 calls _save on every process; one writes
+            return
         output_dir = output_dir or self.args.output_dir
         try:
             write_model_card(output_dir, training=training_summary(self.args, self.state))
