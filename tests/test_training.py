@@ -455,6 +455,7 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
     command += ["--data", str(tmp_path / "data.jsonl"), "--output", str(output), "--max_steps", "3"]
     command += ["--per_device_train_batch_size", "2", "--num_anchors", "4", "--draft_layers", "1", "--block_size", "4"]
     command += ["--report_to", "none", "--save_steps", "3", "--ddp_backend", "gloo", "--log_level", "info"]
+    command += ["--logging_steps", "1"]
     result = _run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Total train batch size (w. parallel, distributed & accumulation) = 4" in result.stdout + result.stderr
@@ -468,6 +469,9 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
     assert loaded.stdout.split() == ["DominoDraftModel", "1"], loaded.stderr
     state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+    # At lam = 1 the loss is the base loss: both logged as means over the two processes' batches, they agree.
+    first = state["log_history"][0]
+    assert first["lam"] == 1 and abs(first["loss"] - first["loss_base"]) < 1e-3, first
 
 
 def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerunning_resumes(tmp_path, tiny_target_dir):

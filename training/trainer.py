@@ -141,9 +141,12 @@ class DominoTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """Adds the Domino metrics, averaged since the last log, to the training logs."""
-        if self._metric_count and "loss" in logs:
-            logs.update({name: round(total / self._metric_count, 4) for name, total in self._metric_sums.items()})
+        """Adds the Domino metrics, averaged since the last log and over processes (as the loss), to the logs."""
+        if self._metric_count and "loss" in logs:  # every process logs the loss: all reduce together
+            names = sorted(self._metric_sums)
+            means = [self._metric_sums[name] / self._metric_count for name in names]
+            means = self.accelerator.reduce(torch.tensor(means, device=self.args.device), reduction="mean")
+            logs.update({name: round(value, 4) for name, value in zip(names, means.tolist())})
             self._metric_sums, self._metric_count = {}, 0
         super().log(logs, *args, **kwargs)
 
