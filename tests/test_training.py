@@ -535,6 +535,10 @@ def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny
     assert final["global_step"] == stopped_at + 2 and (output / "model.safetensors").exists()
     assert result.stdout.count("'loss'") == 2  # the two steps after the checkpoint, not a run from step 0
 
+    restarted = _run(command + ["--max_steps", "1", "--restart", "true"], env=environment)
+    assert restarted.returncode == 0 and "resuming" not in restarted.stdout, restarted.stderr[-2000:]
+    assert "--restart: starting over" in restarted.stderr and restarted.stdout.count("'loss'") == 1
+
 
 # ---------------------------------------------------------------------- precomputed target features
 

@@ -249,9 +249,13 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | bool |
     chosen = training_args.resume_from_checkpoint
     if chosen is not None:
         return True if chosen.lower() in ("true", "last") else chosen
-    if training_args.restart or not os.path.isdir(training_args.output_dir):
+    if not os.path.isdir(training_args.output_dir):
         return None
     last = get_last_checkpoint(training_args.output_dir)
+    if last is not None and training_args.restart:
+        print(f"--restart: starting over, but {last} of an earlier run stays, and a rerun without --restart would "
+              "resume from the highest step; use another --output to keep the runs apart", file=sys.stderr)  # fmt: skip
+        return None
     if last is not None:
         print(f"resuming from {last} (--restart starts over)")
     return last
