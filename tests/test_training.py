@@ -543,6 +543,17 @@ def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny
 # ---------------------------------------------------------------------- precomputed target features
 
 
+def test_feature_store_refuses_features_beyond_fp16(tmp_path):
+    from domino_spec.training.features import FeatureStore
+
+    _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt_ids": [3, 10], "response_ids": list(range(20, 30))}])
+    target = tiny_target("llama")
+    with torch.no_grad():
+        target.model.layers[0].mlp.down_proj.weight.mul_(1e7)  # activations of 1e5 and more
+    with pytest.raises(ValueError, match="beyond fp16's range"):
+        FeatureStore.build(target, load_training_dataset(str(tmp_path / "d.jsonl")), [1, 3], str(tmp_path / "store"))
+
+
 def test_hooked_features_equal_output_hidden_states(family):
     """What training taps is what inference reads, the last layer included (transformers normalizes that one)."""
     from domino_spec.training.features import target_hidden_states
