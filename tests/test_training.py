@@ -404,6 +404,36 @@ def _run(args, **kwargs):
     return subprocess.run(args, capture_output=True, text=True, timeout=300, **kwargs)
 
 
+# accelerate spawns several local processes through torchrun only in its --multi_gpu mode; without a GPU they train on
+# the CPU (use_cpu defaults on) over gloo (`--ddp_backend gloo`).
+TWO_PROCESSES = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+TWO_PROCESSES += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+TRAINING_ENVIRONMENT = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _tiny_train_command(tmp_path, target_dir: str, launcher: tuple[str, ...] = ()) -> tuple[list[str], object]:
+    """`domino-spec train` (after `launcher`) of a 1-layer draft on 8 tiny records, logging every step, saving no
+    periodic checkpoint, with no step limit yet; and its output folder."""
+    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
+    _write_jsonl(tmp_path / "data.jsonl", data)
+    output = tmp_path / "draft"
+    command = [*launcher, DOMINO_SPEC, "train", "--target", target_dir, "--data", str(tmp_path / "data.jsonl")]
+    command += ["--output", str(output), "--per_device_train_batch_size", "2", "--num_anchors", "4"]
+    command += ["--draft_layers", "1", "--block_size", "4", "--report_to", "none", "--save_strategy", "no"]
+    command += ["--logging_steps", "1", "--disable_tqdm", "true"]
+    return command, output
+
+
+def _started_training(command: list[str], **popen) -> subprocess.Popen:
+    """`command` with no end in sight (`--max_steps 100000`), returned once its first step is logged."""
+    process = subprocess.Popen(command + ["--max_steps", "100000"], stdout=subprocess.PIPE, text=True,
+                               env=TRAINING_ENVIRONMENT, **popen)  # fmt: skip
+    for line in process.stdout:
+        if "'loss'" in line:
+            break
+    return process
+
+
 def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):
     prompts = [{"id": f"p{i}", "prompt": f"question number {i}?"} for i in range(12)]
     _write_jsonl(tmp_path / "prompts.jsonl", prompts)
@@ -445,18 +475,9 @@ def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir
 
 
 def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target_dir):
-    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
-    _write_jsonl(tmp_path / "data.jsonl", data)
-    output = tmp_path / "draft"
-    # accelerate spawns several local processes through torchrun only in its --multi_gpu mode; without a GPU they
-    # train on the CPU (use_cpu defaults on) over gloo.
-    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    command += ["--dynamo_backend", "no", DOMINO_SPEC, "train", "--target", tiny_target_dir]
-    command += ["--data", str(tmp_path / "data.jsonl"), "--output", str(output), "--max_steps", "3"]
-    command += ["--per_device_train_batch_size", "2", "--num_anchors", "4", "--draft_layers", "1", "--block_size", "4"]
-    command += ["--report_to", "none", "--save_steps", "3", "--ddp_backend", "gloo", "--log_level", "info"]
-    command += ["--logging_steps", "1"]
-    result = _run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command, output = _tiny_train_command(tmp_path, tiny_target_dir, TWO_PROCESSES)
+    command += ["--ddp_backend", "gloo", "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3"]
+    result = _run(command + ["--log_level", "info"], env=TRAINING_ENVIRONMENT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Total train batch size (w. parallel, distributed & accumulation) = 4" in result.stdout + result.stderr
     assert "could not write the model card" not in result.stdout + result.stderr  # one process writes the folder
@@ -475,20 +496,9 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
 
 
 def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerunning_resumes(tmp_path, tiny_target_dir):
-    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
-    _write_jsonl(tmp_path / "data.jsonl", data)
-    output = tmp_path / "draft"
-    command = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    command += ["--dynamo_backend", "no", DOMINO_SPEC, "train", "--target", tiny_target_dir, "--ddp_backend", "gloo"]
-    command += ["--data", str(tmp_path / "data.jsonl"), "--output", str(output), "--per_device_train_batch_size", "2"]
-    command += ["--num_anchors", "4", "--draft_layers", "1", "--block_size", "4", "--report_to", "none"]
-    command += ["--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    launcher = subprocess.Popen(command + ["--max_steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=environment)  # fmt: skip
-    for line in launcher.stdout:  # the first step's log: both processes are training
-        if "'loss'" in line:
-            break
+    command, output = _tiny_train_command(tmp_path, tiny_target_dir, TWO_PROCESSES)
+    command += ["--ddp_backend", "gloo"]
+    launcher = _started_training(command, stderr=subprocess.STDOUT)
     workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers
     os.kill(int(workers[1]), signal.SIGTERM)  # as when a signal reaches one process a step before the other
@@ -500,25 +510,14 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerun
     assert "could not write the model card" not in log
     stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
 
-    result = _run(command + ["--max_steps", str(stopped_at + 1)], env=environment)
+    result = _run(command + ["--max_steps", str(stopped_at + 1)], env=TRAINING_ENVIRONMENT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"resuming from {checkpoint}" in result.stdout and (output / "model.safetensors").exists()
 
 
 def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny_target_dir):
-    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
-    _write_jsonl(tmp_path / "data.jsonl", data)
-    output = tmp_path / "draft"
-    command = [DOMINO_SPEC, "train", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl")]
-    command += ["--output", str(output), "--per_device_train_batch_size", "2", "--num_anchors", "4"]
-    command += ["--draft_layers", "1", "--block_size", "4", "--report_to", "none", "--save_strategy", "no"]
-    command += ["--logging_steps", "1", "--disable_tqdm", "true"]
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command + ["--max_steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=environment)  # fmt: skip
-    for line in process.stdout:  # the first step's log: training is under way
-        if "'loss'" in line:
-            break
+    command, output = _tiny_train_command(tmp_path, tiny_target_dir)
+    process = _started_training(command, stderr=subprocess.PIPE)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
@@ -528,14 +527,14 @@ def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny
     assert 1 <= stopped_at < 100000 and not (output / "model.safetensors").exists()  # a checkpoint, not a final draft
 
     result = _run(command + ["--max_steps", str(stopped_at + 2), "--save_strategy", "steps", "--save_steps", "1"],
-                  env=environment)  # fmt: skip
+                  env=TRAINING_ENVIRONMENT)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"resuming from {checkpoint}" in result.stdout
     final = json.loads((output / f"checkpoint-{stopped_at + 2}" / "trainer_state.json").read_text())
     assert final["global_step"] == stopped_at + 2 and (output / "model.safetensors").exists()
     assert result.stdout.count("'loss'") == 2  # the two steps after the checkpoint, not a run from step 0
 
-    restarted = _run(command + ["--max_steps", "1", "--restart", "true"], env=environment)
+    restarted = _run(command + ["--max_steps", "1", "--restart", "true"], env=TRAINING_ENVIRONMENT)
     assert restarted.returncode == 0 and "resuming" not in restarted.stdout, restarted.stderr[-2000:]
     assert "--restart: starting over" in restarted.stderr and restarted.stdout.count("'loss'") == 1
 
