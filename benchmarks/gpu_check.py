@@ -24,8 +24,8 @@ issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verif
 records where each variant's head loop spends its time: the kernels (operators on CPU) of a few calls, by device time,
 so a head over its share shows whether the slots or the per-block setup (top-K, gate projection, spreading the pool's
 logits) cost. The fused kernel's launch config is autotuned in the warmup runs; the eager picks land in
-`fused_launch_configs`. Results (JSON + Markdown, with machine, GPU and versions) are rewritten after every stage, so a run cut
-short by a timeout keeps what it measured.
+`fused_launch_configs`. Results (JSON + Markdown, with machine, GPU and versions) are rewritten after every stage, so
+a run cut short by a timeout keeps what it measured.
 """
 
 import argparse
