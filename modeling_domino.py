@@ -437,10 +437,9 @@ class DominoDraftModel(PreTrainedModel):
                 stacklevel=2,
             )
         if problems:
-            built_for = built_for or "another target"
-            target_name = getattr(target, "name_or_path", None) or type(target).__name__
             raise ValueError(
-                f"This Domino draft was built for {built_for}, but the target {target_name} has "
+                f"This Domino draft was built for {built_for or 'another target'}, but the target "
+                f"{target_name or type(target).__name__} has "
                 + "; ".join(problems)
                 + ". Use the draft trained for this target, or train one with `domino-spec train --target ...`."
             )

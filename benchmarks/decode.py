@@ -34,7 +34,7 @@ from transformers import (
 )
 
 from domino_spec import DominoDraftModel
-from domino_spec.generation import left_pad, speculative_generate
+from domino_spec.generation import left_pad, pooled_position_rates, speculative_generate
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2)
@@ -180,9 +180,7 @@ def run_native(args, target, draft, prompts, pad_token_id: int, method: str) -> 
             new = output.sequences[row, width : width + output.num_new_tokens[row]]
             result.sequences.append(prompt[0].tolist() + new.tolist())
     if draft is not None and verified is not None:
-        result.position_acceptance_rates = [  # None where no round verified a draft at that position
-            round(hits / total, 4) if total else None for hits, total in zip(accepted.tolist(), verified.tolist())
-        ]
+        result.position_acceptance_rates = pooled_position_rates(accepted.tolist(), verified.tolist())
     return result
 
 

@@ -17,13 +17,14 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 
 from ..training.data import eos_token_ids, prompt_token_ids
-from .engine import speculative_generate
+from .engine import pooled_position_rates, speculative_generate
 
 METHODS = ("plain", "prompt-lookup", "dflash", "domino-hf", "domino")
 NATIVE_METHODS = ("dflash", "domino")
@@ -47,16 +48,11 @@ class MethodRun:
     texts: list[str] = field(default_factory=list)
 
     def add_position_counts(self, accepted: list[int], verified: list[int]) -> None:
-        if not self.position_verified:
-            self.position_accepted, self.position_verified = [0] * len(verified), [0] * len(verified)
-        self.position_accepted = [total + count for total, count in zip(self.position_accepted, accepted)]
-        self.position_verified = [total + count for total, count in zip(self.position_verified, verified)]
+        self.position_accepted = [a + b for a, b in zip_longest(self.position_accepted, accepted, fillvalue=0)]
+        self.position_verified = [a + b for a, b in zip_longest(self.position_verified, verified, fillvalue=0)]
 
     def summary(self, plain: "MethodRun") -> dict:
         tau = self.verified_tokens / self.verify_passes if self.verify_passes else float("nan")
-        # Per-position acceptance: of the rounds that verified a k-th draft, the fraction that accepted it.
-        positions = zip(self.position_accepted, self.position_verified)
-        position_rates = [hits / total if total else None for hits, total in positions]
         return {
             "prompts": self.prompts,
             "new_tokens": self.new_tokens,
@@ -64,7 +60,7 @@ class MethodRun:
             "tokens_per_s": round(self.new_tokens / self.seconds, 3) if self.seconds else None,
             "speedup": round(plain.seconds / self.seconds, 3) if self.seconds else None,
             "mean_acceptance_length": round(tau, 3),
-            "position_acceptance": [None if rate is None else round(rate, 4) for rate in position_rates],
+            "position_acceptance": pooled_position_rates(self.position_accepted, self.position_verified),
             "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
             "identical": self.identical,
             "identical_fraction": self.identical / self.prompts if self.prompts else None,

@@ -62,6 +62,12 @@ class SpeculativeOutput:
         return sum(rounds) / len(rounds) if rounds else float("nan")
 
 
+def pooled_position_rates(accepted: list[int], verified: list[int]) -> list[float | None]:
+    """Per draft position, the fraction of verified k-th drafts that were accepted, from `position_accepted` and
+    `position_verified` summed over several runs; rounded for reports, None where none was verified."""
+    return [round(hits / total, 4) if total else None for hits, total in zip(accepted, verified)]
+
+
 @dataclass
 class _Rows:
     """Per-row decoding state of the rows still running (index i of every tensor is the same sequence)."""
@@ -456,4 +462,4 @@ def _crop_invalid_tail(rows: _Rows, cache) -> None:
         rows.feature_mask = rows.feature_mask[:, :keep]
 
 
-__all__ = ["SpeculativeOutput", "speculative_generate"]
+__all__ = ["SpeculativeOutput", "pooled_position_rates", "speculative_generate"]

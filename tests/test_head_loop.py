@@ -27,13 +27,18 @@ def _draft_once(draft, target, input_ids, **kwargs):
     )
 
 
-@pytest.fixture
-def target_and_draft():
-    target = tiny_target("qwen3")
-    draft = tiny_draft(target, block_size=6)
-    with torch.no_grad():  # a head that matters: residuals on the scale of the base logits
+def _target_and_draft(device: str = "cpu", **draft_fields):
+    """A tiny Qwen3 target and a block-6 draft for it whose head matters: residuals on the scale of the base logits."""
+    target = tiny_target("qwen3").to(device)
+    draft = tiny_draft(target, block_size=6, **draft_fields).to(device)
+    with torch.no_grad():
         draft.embed_proj[2].weight.mul_(50.0)
     return target, draft
+
+
+@pytest.fixture
+def target_and_draft():
+    return _target_and_draft()
 
 
 def test_gru_input_table_matches_per_step_projection(target_and_draft):

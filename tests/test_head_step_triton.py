@@ -8,8 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
-from test_head_loop import _draft_once
+from test_head_loop import _draft_once, _target_and_draft
 
 from domino_spec import DominoConfig, head_step_triton
 from domino_spec.generation import speculative_generate
@@ -18,17 +17,9 @@ pytest.importorskip("triton", reason="the fused head step is a Triton kernel")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _target_and_draft(**draft_fields):
-    target = tiny_target("qwen3").to(DEVICE)
-    draft = tiny_draft(target, block_size=6, **draft_fields).to(DEVICE)
-    with torch.no_grad():  # a head that matters: residuals on the scale of the base logits
-        draft.embed_proj[2].weight.mul_(50.0)
-    return target, draft
-
-
 @pytest.fixture
 def target_and_draft():
-    return _target_and_draft()
+    return _target_and_draft(DEVICE)
 
 
 def _fused_and_unfused(draft, target, input_ids):
@@ -53,7 +44,7 @@ def test_fused_step_drafts_the_unfused_tokens_and_logits(target_and_draft, pool,
 def test_every_launch_config_drafts_the_unfused_tokens_and_logits(launch, monkeypatch):
     """Each config the autotuner may pick, at a GRU state and rank that span several chunks with a remainder."""
     monkeypatch.setattr(head_step_triton, "LAUNCH_CONFIGS", (launch,))  # the interpreter runs the first
-    target, draft = _target_and_draft(gru_hidden_dim=260, emb_dim=70)
+    target, draft = _target_and_draft(DEVICE, gru_hidden_dim=260, emb_dim=70)
     draft.config.head_candidate_pool, draft.config.pure_draft_prefix_len = 5, 1
     fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (1, 10), device=DEVICE))
     assert torch.equal(fused.tokens, unfused.tokens)
