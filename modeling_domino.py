@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import StaticLayer
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -42,7 +42,6 @@ from .head_domino import (
     COMPILE_MODES,
     CompiledDrafting,
     DominoHeadWeights,
-    argmax_choice,
     greedy_head,
     head_block_inputs,
     head_slot_loop,
@@ -90,9 +89,10 @@ class DominoContextCache:
         self.attention_mask = torch.cat([self.attention_mask, new_mask.bool()], dim=-1)
 
     def crop(self, max_length: int) -> None:
-        """A negative `max_length` drops that many slots from the end, as transformers' cache `crop` does; a positive
-        one keeps the first `max_length` slots (transformers' older `crop(max_length)`)."""
-        if max_length < 0:
+        """A negative `max_length` drops that many slots from the end, as transformers' cache `crop` does, and 0 drops
+        none (so `crop(-num_rejected)` is always right); a positive one keeps the first `max_length` slots
+        (transformers' older `crop(max_length)`)."""
+        if max_length <= 0:
             max_length = max(self.get_seq_length() + max_length, 0)
         if max_length >= self.get_seq_length():
             return
@@ -247,6 +247,11 @@ class DominoAttention(nn.Module):
         values = torch.cat([context_values, block_values], dim=-2)
         enable_gqa = self.num_heads != self.num_key_value_heads
         if isinstance(attention_mask, BlockMask):
+            if self.training and self.attention_dropout:
+                raise ValueError(
+                    f"flex_attention has no attention dropout, but config.attention_dropout is {self.attention_dropout}"
+                    ": set it to 0.0, or train with attn_implementation='sdpa'."
+                )
             output = _flex_attention(query, keys, values, attention_mask, enable_gqa)
             return self.o_proj(output.transpose(1, 2).reshape(batch_size, length, -1))
         output = F.scaled_dot_product_attention(
@@ -523,7 +528,8 @@ class DominoDraftModel(PreTrainedModel):
         return torch.cat([base_logits[:, :start], base_logits[:, start:] + residual.to(base_logits.dtype)], dim=1)
 
     def _derived(self, name: str, sources: tuple[torch.Tensor, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A tensor derived from weights for fast inference, rebuilt whenever a source changes; never saved.
+        """A tensor derived from weights for fast inference, rebuilt when a source is replaced or changed in place by
+        a tensor op; never saved. A write through `.data` changes neither: see `clear_derived_tensors`.
 
         While gradients are enabled (training) it is built fresh each call, so it stays differentiable.
         """
@@ -539,14 +545,27 @@ class DominoDraftModel(PreTrainedModel):
             cache[name] = (key, tuple(weakref.ref(t) for t in sources), derived)
         return derived
 
+    def clear_derived_tensors(self) -> None:
+        """Drop the tensors derived from the draft's and the target's weights for fast inference (the GRU input table,
+        the fused state weight, ...); the next drafting round rebuilds them.
+
+        Call it after writing weights through `.data`, which bypasses the change check (peft's `merge_adapter` and
+        `unmerge_adapter` do, on the target too).
+        """
+        self.__dict__.pop("_derived_tensors", None)
+
     def _gru_input_table(self, embed_tokens: nn.Module) -> torch.Tensor | None:
         """`E @ W_ih^T` (`[V, 3G]`): every token's GRU input gates, when small enough to pay; else `None`.
 
-        It turns a drafted token's embedding lookup and matmul into one row lookup.
+        It turns a drafted token's embedding lookup and matmul into one row lookup. Only for a plain `nn.Embedding`:
+        a module that transforms its rows (Gemma3's scaled embedding, a PEFT adapter) embeds each drafted token
+        itself, as it embeds the anchor and, in training, the ground-truth tokens.
         """
+        if torch.is_grad_enabled() or type(embed_tokens) is not nn.Embedding:
+            return None
         weight_ih, embedding = self.prefix_gru.weight_ih_l0, embed_tokens.weight
         table_bytes = embedding.shape[0] * weight_ih.shape[0] * weight_ih.element_size()
-        if torch.is_grad_enabled() or table_bytes > self.config.gru_input_table_max_bytes:
+        if table_bytes > self.config.gru_input_table_max_bytes:
             return None
         return self._derived("gru_input_table", (embedding, weight_ih), lambda: F.linear(embedding.to(weight_ih.dtype), weight_ih))
 
@@ -562,9 +581,7 @@ class DominoDraftModel(PreTrainedModel):
             name = f"up_columns_{logits_dtype}"
             up_columns = self._derived(name, (up,), lambda: up.t().to(logits_dtype).contiguous())  # [R, V]
         gate_table = self._gru_input_table(embed_tokens)
-        return DominoHeadWeights(
-            self.prefix_gru.weight_ih_l0, embed_tokens.weight, gate_table, state_weight, down, up, up_columns
-        )
+        return DominoHeadWeights(self.prefix_gru.weight_ih_l0, embed_tokens, gate_table, state_weight, down, up, up_columns)
 
     def _head_loop(
         self,
@@ -581,22 +598,24 @@ class DominoDraftModel(PreTrainedModel):
         (`_head_weights`: GRU input table, fused state weight, transposed residual projection), per block the
         hidden-state half of the low-rank map, the anchor's GRU state and the candidate pools (`head_block_inputs`);
         `head_slot_loop` then runs the slots. With `config.head_candidate_pool = K` each slot's residual covers only
-        its K best base tokens (lossless: the target verifies every draft); the other tokens get -inf. Greedy pooled
-        drafting with `config.fused_head_step` runs the slots as one Triton kernel each instead (CUDA).
+        its K best base tokens in greedy drafting (lossless: the target verifies every draft); the other tokens get
+        -inf. Greedy pooled drafting with `config.fused_head_step` runs the slots as one Triton kernel each instead
+        (CUDA).
 
         `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s; `None` is greedy argmax.
-        `whole_vocabulary` ignores the inference-time options (pool, fused step): training-time test scores every
-        token. Returns `[M, S]` tokens and `[M, S, V]` logits.
+        Processed or sampled drafting (a `choose`) scores the whole vocabulary, since a logits processor may mask
+        every token of a pool; so does the training-time test (`whole_vocabulary`: no pool, no fused step).
+        Returns `[M, S]` tokens and `[M, S, V]` logits.
         """
         if not self.config.use_domino_head:
-            choose = choose or argmax_choice
+            choose = choose or slot_chooser(None, None, do_sample=False)
             tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(base_logits.shape[1])))
             return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
-        pool_size = 0 if whole_vocabulary else self.config.head_candidate_pool
-        weights = self._head_weights(embed_tokens, base_logits.dtype, pool_size)
         if choose is None and not whole_vocabulary:
+            weights = self._head_weights(embed_tokens, base_logits.dtype, self.config.head_candidate_pool)
             return greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *self._greedy_head_options())
-        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
+        weights = self._head_weights(embed_tokens, base_logits.dtype, pool_size=0)
+        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights)
         return head_slot_loop(base_logits, block, weights, self.config.pure_draft_prefix_len, choose)
 
     def _greedy_head_options(self) -> tuple[int, int, bool]:
@@ -881,6 +900,9 @@ class DominoCandidateGenerator(CandidateGenerator):
             if tokenizer is None:
                 raise ValueError("stop_strings need the tokenizer: call generate(..., tokenizer=tokenizer).")
             self.stop_strings = StopStringCriteria(tokenizer, generation_config.stop_strings)
+            if self.do_sample:
+                mask = StopStringDraftMask(self.stop_strings)
+                self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
 
     def get_candidates(
         self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
@@ -935,7 +957,8 @@ class DominoCandidateGenerator(CandidateGenerator):
 
         Transformers checks stop strings only at the end of the sequence; ending the candidates just before the
         completing token makes the target's own token land there, so generation stops exactly where plain decoding
-        does. Shorter drafts keep sampling exact: each committed token is still verified against the target.
+        does. Sampled drafts avoid such tokens (`StopStringDraftMask`): a cut that depended on the sampled value
+        would bias sampling. Where they cannot, the cut happens whatever the draft, and sampling stays exact.
         """
         for index in range(num_candidates):
             token = int(tokens[0, index])
@@ -946,6 +969,33 @@ class DominoCandidateGenerator(CandidateGenerator):
             if token in self.eos_token_ids:
                 return index + 1
         return num_candidates
+
+
+class StopStringDraftMask:
+    """A logits processor for sampled drafts: tokens that would complete a stop string get -inf.
+
+    Speculative sampling corrects any draft distribution exactly, so the target still produces such a token where
+    its own distribution says so, as its next token, and generation stops there. A row where every token would
+    complete a stop string is left as it is: the block is then cut there whatever the draft (`_cut_at_stop`).
+    """
+
+    def __init__(self, stop_strings: StopStringCriteria):
+        self.stop_strings = stop_strings
+        # Per token, the lengths of the stop strings' ends it can hold; -1 pads. A token holding none ends no match.
+        end_lengths = stop_strings.embedding_vec[:, stop_strings.max_valid_positions * stop_strings.num_stop_strings : -1]
+        self.final_tokens = (end_lengths > 0).any(dim=-1).nonzero().flatten()  # [F]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        tokens = self.final_tokens[self.final_tokens < scores.shape[-1]].to(input_ids.device)
+        tail = input_ids[:, -self.stop_strings.maximum_token_len :]  # a match spans at most this many tokens
+        masked = scores.clone()
+        for row in range(input_ids.shape[0]):
+            continued = torch.cat([tail[row].expand(len(tokens), -1), tokens[:, None]], dim=-1)  # [F, T + 1]
+            completing = tokens[self.stop_strings(continued, None)].to(scores.device)
+            masked[row, completing] = float("-inf")
+            if bool(torch.isneginf(masked[row]).all()):
+                masked[row] = scores[row]
+        return masked
 
 
 # ---------------------------------------------------------------------- generate(assistant_model=draft) hook

@@ -11,6 +11,8 @@ if not torch.cuda.is_available():  # Triton kernels (the fused head step) then r
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported, which transformers' models do
 
 from transformers import (  # noqa: E402
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -37,7 +39,7 @@ TINY_TARGET_FIELDS = dict(
 
 
 def tiny_target(family: str = "qwen3", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
-    """A random causal LM of the given family (`qwen3`, `llama` or `qwen2`) with a 128-token vocabulary."""
+    """A random causal LM of the given family (`qwen3`, `llama`, `qwen2` or `gemma3`) with a 128-token vocabulary."""
     torch.manual_seed(seed)
     fields = {**TINY_TARGET_FIELDS, **overrides}
     if family == "qwen3":
@@ -46,6 +48,8 @@ def tiny_target(family: str = "qwen3", dtype: torch.dtype = torch.float32, seed:
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **fields))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**fields))
+    elif family == "gemma3":  # its embedding module scales the rows by sqrt(hidden): not a plain lookup
+        model = Gemma3ForCausalLM(Gemma3TextConfig(head_dim=16, **fields))
     else:
         raise ValueError(f"unknown family {family!r}")
     return model.to(dtype).eval()
@@ -90,6 +94,22 @@ def tiny_tokenizer():
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def word_tokenizer():
+    """An offline word-level tokenizer over the tiny vocabulary: token i reads `w{i:03d}`, decoded without spaces.
+
+    Token 127 is `abcdef`, the probe string transformers' StopStringCriteria tokenizes to learn token texts.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i:03d}": i for i in range(127)}
+    vocab["abcdef"] = 127
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w000"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w000")
 
 
 def load_benchmark(name: str):

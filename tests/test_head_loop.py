@@ -61,10 +61,23 @@ def test_derived_weights_follow_weight_updates(target_and_draft):
         draft.prefix_gru.weight_ih_l0.mul_(-1.0)  # in place: same storage, new version
         draft.embed_proj[2].weight.mul_(-1.0)
     after = _draft_once(draft, target, input_ids)
-    draft.__dict__.pop("_derived_tensors")
+    draft.clear_derived_tensors()
     rebuilt = _draft_once(draft, target, input_ids)
     assert not torch.allclose(after.logits, before.logits)
     torch.testing.assert_close(after.logits, rebuilt.logits)
+
+
+def test_clear_derived_tensors_after_writing_weights_through_data(target_and_draft):
+    """A write through `.data` (peft's merge_adapter) changes no version: the cache cannot see it, the user clears it."""
+    target, draft = target_and_draft
+    input_ids = torch.randint(0, 100, (2, 12))
+    _draft_once(draft, target, input_ids)  # builds the derived tensors
+    draft.prefix_gru.weight_hh_l0.data.mul_(-1.0)
+    draft.embed_proj[2].weight.data.mul_(-1.0)
+    draft.clear_derived_tensors()
+    fresh = tiny_draft(target, block_size=6)
+    fresh.load_state_dict(draft.state_dict())
+    torch.testing.assert_close(_draft_once(draft, target, input_ids).logits, _draft_once(fresh, target, input_ids).logits)
 
 
 @torch.no_grad()
@@ -81,6 +94,24 @@ def test_derived_tensors_are_rebuilt_for_a_new_source_where_a_freed_one_was(targ
         assert torch.equal(doubled(second), second * 2), attempt
 
 
+@pytest.mark.parametrize("table_bytes", [0, 2**30])
+@torch.no_grad()
+def test_drafted_tokens_are_embedded_as_in_training(table_bytes):
+    """The GRU reads a drafted token through the target's embedding module, as training reads the ground truth.
+    Gemma3's module scales its rows by sqrt(hidden): a row of its weight is not the token's embedding."""
+    target = tiny_target("gemma3")
+    draft = tiny_draft(target, block_size=6)
+    draft.embed_proj[2].weight.mul_(50.0)
+    draft.config.gru_input_table_max_bytes = table_bytes
+    embed_tokens = target.get_input_embeddings()
+    draft_hidden = torch.randn(3, draft.config.num_draft_tokens, draft.config.hidden_size)
+    base_logits = target.get_output_embeddings()(draft_hidden)
+    anchors = torch.randint(0, 100, (3, 1))
+    tokens, logits = draft._head_loop(base_logits, draft_hidden, embed_tokens(anchors[:, 0]), embed_tokens)
+    ground_truth = torch.cat([anchors, tokens[:, :-1]], dim=1)  # as if the drafts were the training data
+    torch.testing.assert_close(logits, draft._teacher_forced_logits(base_logits, draft_hidden, embed_tokens(ground_truth)))
+
+
 def test_candidate_pool_of_the_whole_vocabulary_changes_nothing(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
@@ -91,7 +122,7 @@ def test_candidate_pool_of_the_whole_vocabulary_changes_nothing(target_and_draft
     torch.testing.assert_close(pooled.logits, full.logits)
 
 
-def test_candidate_pool_restricts_drafts_to_the_best_base_tokens(target_and_draft):
+def test_candidate_pool_restricts_greedy_drafts_to_the_best_base_tokens(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
     draft.config.head_candidate_pool = 3
@@ -100,8 +131,25 @@ def test_candidate_pool_restricts_drafts_to_the_best_base_tokens(target_and_draf
     finite = torch.isfinite(pooled.logits[:, prefix:])
     assert (finite.sum(-1) == 3).all()  # only the pool keeps a logit
     assert torch.equal(pooled.logits.argmax(-1), pooled.tokens)
-    sampled = _draft_once(draft, target, input_ids, do_sample=True, generator=torch.Generator().manual_seed(0))
-    assert torch.isfinite(sampled.logits.gather(-1, sampled.tokens[..., None])).all()  # samples stay in the pool
+
+
+def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_draft):
+    """A logits processor may mask every token of a pool: processed or sampled drafts score the whole vocabulary."""
+    target, draft = target_and_draft
+    input_ids = torch.randint(0, 100, (3, 14))
+    prefix = draft.config.pure_draft_prefix_len
+
+    def sampled(logits_processor=None):
+        generator = torch.Generator().manual_seed(0)
+        return _draft_once(draft, target, input_ids, do_sample=True, generator=generator, prefix_ids=input_ids,
+                           logits_processor=logits_processor)
+
+    whole_vocabulary = sampled()
+    draft.config.head_candidate_pool = 3
+    pool_tokens = torch.isfinite(_draft_once(draft, target, input_ids).logits[:, prefix:]).any(1)  # [M, V]
+    assert torch.equal(sampled().tokens, whole_vocabulary.tokens)
+    banned = sampled(lambda ids, scores: scores.masked_fill(pool_tokens, float("-inf")))
+    assert not pool_tokens.gather(1, banned.tokens[:, prefix:]).any()
 
 
 @pytest.mark.parametrize("pool", [0, 4])

@@ -423,7 +423,8 @@ def test_target_features_without_positions_or_as_a_tuple_name_the_fix():
 
 
 def test_context_cache_crops_as_transformers_caches_do():
-    """`crop(-n)` drops the last n slots, as transformers' cache `crop`; `crop(n)` keeps the first n."""
+    """`crop(-n)` drops the last n slots, as transformers' cache `crop` (none for n = 0); `crop(n)` keeps the first
+    n."""
     setup = make_setup()
     cache = setup.cache([(0, ANCHOR)])
     keys, mask = cache.keys[0].clone(), torch.ones(1, ANCHOR, dtype=torch.bool)
@@ -435,6 +436,8 @@ def test_context_cache_crops_as_transformers_caches_do():
     assert cache.get_seq_length() == 5 and cache.values[0].shape[-2] == 5
     assert torch.equal(cache.keys[0], keys[..., :5, :]) and torch.equal(cache.attention_mask, mask[:, :5])
     cache.crop(9)  # longer than the cache: nothing to drop
+    assert cache.get_seq_length() == 5
+    cache.crop(-0)  # crop(-num_rejected) with nothing rejected
     assert cache.get_seq_length() == 5
 
 

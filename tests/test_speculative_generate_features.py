@@ -3,18 +3,17 @@ generate hook, and the clear errors of both decoding paths."""
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
+from conftest import tiny_draft, tiny_target, word_tokenizer
 from speculative_helpers import make_peaked, random_prompts
 
 from domino_spec.generation import left_pad
-from tokenizers import Tokenizer, decoders, pre_tokenizers
-from tokenizers import models as tokenizer_models
 from transformers import GenerationMixin, PreTrainedTokenizerFast
 from transformers.cache_utils import StaticLayer
+from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from domino_spec.generation import speculative_generate
-from domino_spec.modeling_domino import install_generate_hook
+from domino_spec.modeling_domino import StopStringDraftMask, install_generate_hook
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +24,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    """Offline word-level tokenizer over the tiny vocabulary: token i reads `w{i:03d}`, decoded without spaces.
-
-    Token 127 is `abcdef`, the probe string transformers' StopStringCriteria tokenizes to learn token texts.
-    """
-    vocab = {f"w{i:03d}": i for i in range(127)}
-    vocab["abcdef"] = 127
-    backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="w000"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w000")
+    return word_tokenizer()
 
 
 class CollectingStreamer(BaseStreamer):
@@ -79,6 +69,18 @@ def test_stop_string_completed_by_the_first_draft_while_sampling(tokenizer):
         assert 17 not in generated[:-1], generated
         stopped += generated[-1] == 17
     assert stopped > 0
+
+
+def test_stop_string_draft_mask_masks_exactly_the_completing_tokens(tokenizer):
+    """Sampled drafts avoid the tokens that would complete a stop string after their context, and only those."""
+    mask = StopStringDraftMask(StopStringCriteria(tokenizer, ["7w01"]))
+    scores = torch.zeros(2, 128)
+    masked = mask(torch.tensor([[5, 17], [5, 18]]), scores)  # contexts ending in `w017` and in `w018`
+    assert torch.isneginf(masked[0]).nonzero().flatten().tolist() == list(range(10, 20))  # `w010` .. `w019`
+    assert torch.equal(masked[1], scores[1])
+    only_completing = torch.full((1, 128), float("-inf"))
+    only_completing[0, 12] = 0.0  # e.g. after top-k: every token left completes the stop string
+    assert torch.equal(mask(torch.tensor([[5, 17]]), only_completing), only_completing)  # then the block is cut
 
 
 def test_streamer_and_return_dict(models):

@@ -11,8 +11,8 @@ draft fails by a wide margin (the statistic is tens to hundreds of times the bou
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
-from speculative_helpers import chi_square_test, exact_joint_distribution, make_peaked
+from conftest import tiny_draft, tiny_target, word_tokenizer
+from speculative_helpers import LIVE_TOKENS, chi_square_test, exact_joint_distribution, make_peaked
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -26,6 +26,7 @@ from domino_spec.generation import speculative_generate
 NUM_TOKENS = 3  # the joint of the first three tokens: the prefill's token and the first round's two drafts
 NUM_NATIVE_SAMPLES = 4000  # one batched call: every row is one seed's run
 NUM_HF_SAMPLES = 800  # one generate call per seed
+NUM_HF_STOP_SAMPLES = 1500  # the stop string takes an eighth of the mass: more samples for power
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,28 @@ def test_hf_path_sampling_matches_target_distribution(models):
         samples += _first_tokens(sequences, prompt.shape[1])
     statistic, bound = chi_square_test(samples, exact)
     assert statistic < bound, f"HF-path speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_hf_path_sampling_with_a_stop_string_matches_target_distribution(models):
+    """A stop string the draft often completes (token 17 reads `w017`): generation must stop there exactly as often
+    as the target's own sampling does, and continue otherwise with the target's probabilities."""
+    target, draft, prompt = models
+    tokenizer = word_tokenizer()
+    exact: dict[tuple[int, ...], float] = {}
+    for tokens, probability in exact_joint_distribution(target, prompt, 2, LogitsProcessorList()).items():
+        outcome = tokens[:1] if tokens[0] == LIVE_TOKENS[1] else tokens  # generation stops after `w017`
+        exact[outcome] = exact.get(outcome, 0.0) + probability
+    samples = []
+    for seed in range(NUM_HF_STOP_SAMPLES):
+        torch.manual_seed(seed)
+        # max_new_tokens = 3: the first round drafts the second token, and verifying it gives the third
+        sequences = target.generate(prompt, max_new_tokens=3, do_sample=True, stop_strings=["w017"],
+                                    tokenizer=tokenizer, assistant_model=draft)
+        generated = tuple(sequences[0, prompt.shape[1] :].tolist())
+        assert LIVE_TOKENS[1] not in generated[:-1], generated  # stopped at the stop string
+        samples.append(generated[:1] if generated[0] == LIVE_TOKENS[1] else generated[:2])
+    statistic, bound = chi_square_test(samples, exact)
+    assert statistic < bound, f"HF-path sampling with a stop string: chi-square {statistic:.1f} >= {bound:.1f}"
 
 
 def test_native_sampling_is_reproducible_with_a_generator(models):

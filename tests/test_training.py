@@ -125,6 +125,19 @@ def test_flex_attention_mask_matches_sdpa():
     torch.testing.assert_close(flex.logits, sdpa.logits, rtol=1e-4, atol=1e-5)
 
 
+def test_flex_attention_refuses_attention_dropout_in_training():
+    """flex_attention has no dropout: training with it would silently ignore config.attention_dropout."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, attention_dropout=0.1).train()
+    draft.config._attn_implementation = "flex_attention"
+    input_ids = torch.randint(0, 100, (1, 20))
+    features = _features(target, draft, input_ids)
+    with pytest.raises(ValueError, match="flex_attention has no attention dropout.*attn_implementation='sdpa'"):
+        _train_forward(draft, target, input_ids, features, torch.tensor([[3, 8]]))
+    draft.eval()  # no dropout at inference: nothing to refuse
+    _train_forward(draft, target, input_ids, features, torch.tensor([[3, 8]]))
+
+
 def test_teacher_forcing_reads_ground_truth_and_training_time_test_reads_predictions():
     target = tiny_target("llama")
     draft = tiny_draft(target, pure_draft_prefix_len=1)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .head_step_triton import head_step
 
@@ -29,10 +30,6 @@ def select_token(logits: torch.Tensor, do_sample: bool, generator: torch.Generat
     probs = logits.float().softmax(dim=-1)
     flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), num_samples=1, generator=generator)
     return flat.view(probs.shape[:-1])
-
-
-def argmax_choice(slot: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return logits.argmax(dim=-1), logits
 
 
 def slot_chooser(
@@ -79,8 +76,8 @@ class DominoHeadWeights(NamedTuple):
     """The Domino head's weights in the layouts the slot loop reads (built by `DominoDraftModel._head_weights`)."""
 
     weight_ih: torch.Tensor  # [3G, D]: GRU input projection (the anchor's gates; every token's without a table)
-    embedding: torch.Tensor  # [V, D]: the target's input embeddings
-    gate_table: torch.Tensor | None  # [V, 3G] = E @ W_ih^T: a drafted token's gates in one row lookup; None if too big
+    embed_tokens: nn.Module  # the target's input embeddings: drafted tokens go through it, as the anchor does
+    gate_table: torch.Tensor | None  # [V, 3G] = E @ W_ih^T: a drafted token's gates in one row lookup, or None
     state_weight: torch.Tensor  # [3G + R, G]: W_hh and the state's half of the low-rank map, fused into one matmul
     down: torch.Tensor  # [R, D + G]: the low-rank map's input side
     up: torch.Tensor  # [V, R]: its vocabulary side (rows gathered for a candidate pool)
@@ -98,11 +95,10 @@ class DominoHeadBlock(NamedTuple):
 
 
 def gru_input_gates(weights: DominoHeadWeights, tokens: torch.Tensor) -> torch.Tensor:
-    """GRU input gates `[..., 3G]` of token ids `[...]`: a table row, else the embedding row times W_ih."""
+    """GRU input gates `[..., 3G]` of token ids `[...]`: a table row, else the token's embedding times W_ih."""
     if weights.gate_table is not None:
         return weights.gate_table[tokens]
-    embeds = F.embedding(tokens, weights.embedding).to(weights.weight_ih.dtype)
-    return F.linear(embeds, weights.weight_ih)
+    return F.linear(weights.embed_tokens(tokens).to(weights.weight_ih.dtype), weights.weight_ih)
 
 
 def head_block_inputs(
@@ -134,15 +130,20 @@ def head_slot_loop(
     """The sequential part of a drafting round over the S slots of `[M, S, V]` base logits.
 
     Per slot: one matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused), the
-    rank-R residual fused with the base-logit add (only over the slot's candidate pool when `block` has one: the
-    other tokens get -inf), a pick, and the GRU step on the picked token. Slots before `first_corrected`
-    (`pure_draft_prefix_len`) keep their base logits. `choose(s, logits)` returns `(token, logits it was drawn
+    rank-R residual fused with the base-logit add (only over the slot's candidate pool when `block` has one, in
+    greedy drafting: the other tokens get -inf), a pick, and the GRU step on the picked token. Slots before
+    `first_corrected` (`pure_draft_prefix_len`) keep their base logits. `choose(s, logits)` returns `(token, logits it was drawn
     from)`; `None` is greedy argmax with no Python callback, which is what makes the loop compilable (unrolled).
     Returns `[M, S]` tokens and `[M, S, V]` logits.
     """
     num_slots = base_logits.shape[1]
     gate_size = weights.weight_ih.shape[0]
     state, pooled = block.state, block.pool_ids is not None
+    if pooled and choose is not None:
+        raise ValueError(
+            "A candidate pool is for greedy drafting (choose=None): a logits processor could mask all of it. Build "
+            "the block with pool_size=0 for processed or sampled drafting."
+        )
     tokens, logits = [], []
     for slot in range(num_slots):
         state_gates, state_part = F.linear(state, weights.state_weight).split(
@@ -154,10 +155,6 @@ def head_slot_loop(
             if pooled:
                 candidates = block.pool_ids[:, slot]
                 slot_logits = block.pool_base[:, slot] + (block.pool_up[:, slot] @ activation[:, :, None]).squeeze(-1)
-                if choose is not None:  # processors and samplers see the whole vocabulary: -inf outside the pool
-                    vocab_logits = torch.full_like(base_logits[:, slot], float("-inf"))
-                    slot_logits = vocab_logits.scatter_(-1, candidates, slot_logits)
-                    candidates = None
             else:
                 slot_logits = torch.addmm(slot_logits, activation, weights.up_columns)
         if choose is None:  # greedy: pick inside the pool, spread its logits to the vocabulary once at the end
@@ -170,7 +167,7 @@ def head_slot_loop(
         logits.append(slot_logits)
         if slot + 1 < num_slots:
             state = gru_cell(gru_input_gates(weights, token), state_gates, state)
-    if pooled and choose is None and first_corrected < num_slots:
+    if pooled and first_corrected < num_slots:
         pool_logits = torch.stack(logits[first_corrected:], dim=1)  # [M, S - first_corrected, K]
         logits = _greedy_pool_logits(base_logits, pool_logits, block.pool_ids, first_corrected)
         return torch.stack(tokens, dim=1), logits
@@ -254,7 +251,7 @@ class CompiledDrafting:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`greedy_head`, compiled; returns tensors the caller owns."""
         for tensor in weights:
-            if tensor is not None:
+            if isinstance(tensor, torch.Tensor):
                 # Weights keep their address across calls: CUDA graphs read them in place instead of copying them
                 # into the graph's input buffers every call (parameters are marked so by torch.compile already).
                 torch._dynamo.mark_static_address(tensor)
@@ -269,7 +266,6 @@ __all__ = [
     "CompiledDrafting",
     "DominoHeadBlock",
     "DominoHeadWeights",
-    "argmax_choice",
     "fused_pooled_slot_loop",
     "greedy_head",
     "gru_cell",
