@@ -103,6 +103,11 @@ class DominoConfig(PretrainedConfig):
 
     def check(self) -> None:
         """Raise `ValueError` naming the first invalid field."""
+        for field in ("shift_label", "use_domino_head"):  # a JSON string such as "false" would otherwise read as true
+            value = getattr(self, field)
+            _check(
+                isinstance(value, bool), field, value, 'a boolean: true or false in config.json, unquoted (not "false")'
+            )
         for field in (
             "hidden_size",
             "intermediate_size",

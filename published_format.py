@@ -16,6 +16,7 @@ torch, transformers and safetensors.
 import json
 import os
 import struct
+import warnings
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -64,9 +65,17 @@ DOMINO_HEAD_FIELDS = ("gru_hidden_dim", "emb_dim", "pure_draft_prefix_len", "shi
 # ---------------------------------------------------------------------- folders and files
 
 
+# `from_pretrained` options of a published checkpoint: Hub arguments locate its files, the model options go on to the
+# model built from the converted weights (`torch_dtype` is the legacy name of `dtype`), and the arguments AutoModel and
+# `trust_remote_code` add carry nothing for a local state-dict load. Any other option is ignored with a warning.
+HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "proxies", "token", "revision", "subfolder")
+MODEL_OPTIONS = ("dtype", "device_map", "attn_implementation")
+LEGACY_DTYPE_OPTION = "torch_dtype"
+IGNORED_OPTIONS = ("config", "trust_remote_code", "_from_auto", "adapter_kwargs")
+
+
 def _hub_kwargs(kwargs: dict) -> dict:
-    names = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
-    return {name: kwargs[name] for name in names if name in kwargs}
+    return {name: kwargs[name] for name in HUB_OPTIONS if name in kwargs}
 
 
 def resolve_file(path: str, filename: str, **hub_kwargs) -> str | None:
@@ -346,13 +355,35 @@ def state_dict_to_published(state_dict: dict[str, torch.Tensor], dtype: torch.dt
 # ---------------------------------------------------------------------- load and save
 
 
+def _model_options(kwargs: dict, source: str) -> dict:
+    """The options of `kwargs` for the model built from the converted weights; warns naming any it cannot use."""
+    known = {*HUB_OPTIONS, *MODEL_OPTIONS, LEGACY_DTYPE_OPTION, *IGNORED_OPTIONS}
+    unsupported = sorted(name for name in kwargs if name not in known)
+    if unsupported:
+        warnings.warn(
+            f"{source} is a published Domino / DFlash checkpoint, whose loader ignores the from_pretrained options "
+            f"{unsupported}. Supported: {', '.join(MODEL_OPTIONS + (LEGACY_DTYPE_OPTION,) + HUB_OPTIONS)}.",
+            stacklevel=3,
+        )
+    options = {name: kwargs[name] for name in MODEL_OPTIONS if kwargs.get(name) is not None}
+    if "dtype" not in options and kwargs.get(LEGACY_DTYPE_OPTION) is not None:
+        options["dtype"] = kwargs[LEGACY_DTYPE_OPTION]  # `dtype` wins when both are given, as in transformers
+    # AutoModel moves `attn_implementation` onto the config it passes (None there unless the caller chose one).
+    attn_implementation = getattr(kwargs.get("config"), "_attn_implementation", None)
+    if "attn_implementation" not in options and attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    return options
+
+
 def load_published(model_class, path: str, **kwargs):
     """A `model_class` (`DominoDraftModel`) built from a published Domino or DFlash checkpoint at `path`.
 
-    Loading options of `from_pretrained` (`dtype`, `device_map`, Hub arguments) apply; the default dtype is the
-    checkpoint's, as transformers does. A `config` argument (AutoModel passes the folder's Qwen3Config) is ignored:
-    the config comes from the conversion.
+    Loading options of `from_pretrained` (`dtype` or the legacy `torch_dtype`, `device_map`, `attn_implementation`,
+    Hub arguments) apply; the default dtype is the checkpoint's, as transformers does. A `config` argument (AutoModel
+    passes the folder's Qwen3Config) is ignored but for its attention implementation: the config comes from the
+    conversion. Any other option is ignored with a warning naming it.
     """
+    options = _model_options(kwargs, str(path))
     hub_kwargs = _hub_kwargs(kwargs)
     config_path = resolve_file(str(path), CONFIG_NAME, **hub_kwargs)
     if config_path is None:
@@ -364,7 +395,6 @@ def load_published(model_class, path: str, **kwargs):
     with torch.device("meta"):
         expected = {key: value.shape for key, value in model_class(config).state_dict().items()}
     check_state_dict(state_dict, expected, ", ".join(files))
-    options = {name: kwargs[name] for name in ("dtype", "device_map") if kwargs.get(name) is not None}
     if options.get("dtype", "auto") == "auto":
         options["dtype"] = checkpoint_dtype(published) or next(iter(state_dict.values())).dtype
     model = model_class.from_pretrained(None, config=config, state_dict=state_dict, **options)

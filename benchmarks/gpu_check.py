@@ -1,6 +1,6 @@
 """GPU check for issue 7, "Draft cost near the floor": is a Domino drafting round cheap next to a verify pass?
 
-One command on one GPU (on an H200 it took 66 s, most of it compilation; results in BENCHMARKS.md):
+One command on one GPU (on an H200 it took 44 s, most of it compilation; results in BENCHMARKS.md):
 
     python benchmarks/gpu_check.py
 

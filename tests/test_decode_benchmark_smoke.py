@@ -21,3 +21,14 @@ def test_decode_benchmark_smoke(tmp_path, capsys):
     assert saved["results"] == report["results"]
     assert "| native-domino |" in (tmp_path / "smoke.md").read_text()
     assert "| hf-domino |" in capsys.readouterr().out
+
+
+def test_plain_is_the_baseline_wherever_it_is_listed(tmp_path):
+    report = load_benchmark("decode").main([
+        "--target", "tiny-qwen3", "--num-prompts", "1", "--prompt-length", "4", "--max-new-tokens", "4",
+        "--block-size", "4", "--warmup", "0", "--methods", "native-domino,plain", "--output-dir", str(tmp_path),
+    ])
+    rows = {row["method"]: row for row in report["results"]}
+    assert [row["method"] for row in report["results"]] == ["plain", "native-domino"]
+    assert rows["plain"]["speedup"] == 1.0 and rows["plain"]["matches_plain"] is None
+    assert rows["native-domino"]["matches_plain"] is True

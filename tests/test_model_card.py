@@ -5,7 +5,7 @@ import json
 from conftest import tiny_draft, tiny_target
 from huggingface_hub import ModelCard
 
-from domino_spec.training import model_card
+from domino_spec.training import export, model_card
 from domino_spec.training.cli import main as cli_main
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
@@ -64,6 +64,19 @@ def test_card_has_metadata_usage_training_and_acceptance(tmp_path):
     assert "| global_step | 100 |" in text and "| last logged loss | 1.5 |" in text
     assert 'draft.push_to_hub("me/smollm2-domino")' in text
     assert json.loads((folder / "training_summary.json").read_text())["global_step"] == 100
+
+
+def test_card_of_an_exported_folder_says_to_upload_it_as_is(tmp_path):
+    """`push_to_hub` of a draft loaded from an exported folder would save our own format, which SGLang cannot serve."""
+    folder = _draft_folder(tmp_path)
+    own = model_card.build_model_card(str(folder)).text
+    assert 'draft.push_to_hub("your-name/your-draft")' in own and "transformers 5.24" not in own
+    export.export_sglang(str(folder), str(tmp_path / "sglang"))
+    exported = ModelCard.load(tmp_path / "sglang" / "README.md").text
+    assert "push_to_hub(" not in exported and "upload it as is" in exported
+    assert "`domino-spec card DRAFT_DIR --push-to-hub your-name/your-draft`" in exported
+    assert 'upload_folder(folder_path="DRAFT_DIR", repo_id="your-name/your-draft")' in exported
+    assert "`AutoModel.from_pretrained` reads this published-format folder from transformers 5.24 on" in exported
 
 
 def test_local_target_is_not_claimed_as_base_model(tmp_path):

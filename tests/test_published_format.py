@@ -156,6 +156,26 @@ def test_published_config_with_conflicting_emb_dim_is_refused(tmp_path):
         DominoDraftModel.from_pretrained(folder)
 
 
+def test_published_shift_label_must_be_a_boolean(tmp_path):
+    config = published_domino_config(shift_label="false")  # a string would read as true
+    folder = write_published_folder(tmp_path / "bad", config, direct_draft().state_dict())
+    with pytest.raises(ValueError, match=r"shift_label='false' is invalid: expected a boolean: true or false"):
+        DominoDraftModel.from_pretrained(folder)
+
+
+def test_published_folder_honours_the_loading_options(tmp_path):
+    """The options our own folders honour apply to a published one too; one it cannot use is named in a warning."""
+    folder = write_published_folder(tmp_path / "published", published_domino_config(), direct_draft().state_dict())
+    draft = DominoDraftModel.from_pretrained(folder, torch_dtype=torch.float16, attn_implementation="eager")
+    assert draft.dtype == torch.float16 and draft.config._attn_implementation == "eager"
+    # AutoModel passes the folder's config with the caller's attn_implementation on it, and trust_remote_code.
+    config = transformers.Qwen3Config(attn_implementation="eager")
+    draft = DominoDraftModel.from_pretrained(folder, config=config, trust_remote_code=True)
+    assert draft.dtype == torch.float32 and draft.config._attn_implementation == "eager"
+    with pytest.warns(UserWarning, match=r"ignores the from_pretrained options \['low_cpu_mem_usage'\]"):
+        DominoDraftModel.from_pretrained(folder, low_cpu_mem_usage=True)
+
+
 def test_published_weights_that_do_not_match_the_config_are_named(tmp_path):
     state_dict = direct_draft().state_dict()
     del state_dict["embed_proj.2.weight"]

@@ -418,19 +418,22 @@ def _run(args, **kwargs):
 
 
 # accelerate spawns several local processes through torchrun only in its --multi_gpu mode; without a GPU they train on
-# the CPU (use_cpu defaults on) over gloo (`--ddp_backend gloo`).
-TWO_PROCESSES = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-TWO_PROCESSES += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+# the CPU (use_cpu defaults on) over gloo (`--ddp_backend gloo`). It runs the CLI as a module, the README's form:
+# `accelerate launch domino-spec` would look for a file named domino-spec in the working directory.
+TWO_PROCESSES = ("accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1")
+TWO_PROCESSES += ("--mixed_precision", "no", "--dynamo_backend", "no", "-m", "domino_spec.training.cli")
 TRAINING_ENVIRONMENT = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _tiny_train_command(tmp_path, target_dir: str, launcher: tuple[str, ...] = ()) -> tuple[list[str], object]:
-    """`domino-spec train` (after `launcher`) of a 1-layer draft on 8 tiny records, logging every step, saving no
-    periodic checkpoint, with no step limit yet; and its output folder."""
+def _tiny_train_command(
+    tmp_path, target_dir: str, program: tuple[str, ...] = (DOMINO_SPEC,)
+) -> tuple[list[str], object]:
+    """`program train` (`program`: the domino-spec script, or a launcher of the CLI module) of a 1-layer draft on 8 tiny
+    records, logging every step, saving no periodic checkpoint, with no step limit yet; and its output folder."""
     data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
     _write_jsonl(tmp_path / "data.jsonl", data)
     output = tmp_path / "draft"
-    command = [*launcher, DOMINO_SPEC, "train", "--target", target_dir, "--data", str(tmp_path / "data.jsonl")]
+    command = [*program, "train", "--target", target_dir, "--data", str(tmp_path / "data.jsonl")]
     command += ["--output", str(output), "--per_device_train_batch_size", "2", "--num_anchors", "4"]
     command += ["--draft_layers", "1", "--block_size", "4", "--report_to", "none", "--save_strategy", "no"]
     command += ["--logging_steps", "1", "--disable_tqdm", "true"]

@@ -94,15 +94,16 @@ def training_details(folder: str) -> dict | None:
     return summary
 
 
-def draft_config(folder: str) -> DominoConfig:
-    """The draft's config, from our own `config.json` or a published Domino / DFlash one."""
+def draft_config(folder: str) -> tuple[DominoConfig, bool]:
+    """The draft's config, from our own `config.json` or a published Domino / DFlash one, and whether it is published
+    (the SGLang layout `domino-spec export` writes)."""
     config_path = os.path.join(folder, published_format.CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{folder} has no {published_format.CONFIG_NAME}: it is not a draft folder.")
     config = published_format.read_config_dict(config_path)
     if published_format.detect_format(config, config_path) == published_format.NATIVE:
-        return DominoConfig.from_pretrained(folder)
-    return DominoConfig(**published_format.config_fields_from_published(config, config_path))
+        return DominoConfig.from_pretrained(folder), False
+    return DominoConfig(**published_format.config_fields_from_published(config, config_path)), True
 
 
 def hub_model_id(name: str | None) -> str | None:
@@ -141,7 +142,7 @@ def overview_section(config: DominoConfig, target: str) -> str:
     return f"{intro}\n\n{_table(rows)}"
 
 
-def usage_section(repo_id: str, target: str, config: DominoConfig) -> str:
+def usage_section(repo_id: str, target: str, config: DominoConfig, published: bool) -> str:
     transformers_snippet = f"""```python
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -157,6 +158,12 @@ inputs = tokenizer.apply_chat_template(
 output = target.generate(**inputs, assistant_model=draft, max_new_tokens=256, do_sample=False)
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```"""
+    if published:
+        transformers_snippet += (
+            "\n`AutoModel.from_pretrained` reads this published-format folder from transformers 5.24 on (5.17 refuses "
+            'a remote class for its `model_type: "qwen3"`); with older versions use `DominoDraftModel.from_pretrained` '
+            "(below)."
+        )
     native_snippet = f"""```python
 # pip install domino-spec  (batched, greedy or exact speculative sampling)
 from domino_spec import DominoDraftModel
@@ -174,8 +181,13 @@ print("mean acceptance length:", result.mean_acceptance_length)
         if config.use_domino_head
         else ""
     )
+    export_note = (
+        "This folder is in the published layout SGLang serves"
+        if published
+        else "A folder trained with domino-spec is first exported: domino-spec export --format sglang DRAFT_DIR OUT"
+    )
     sglang_snippet = f"""```bash
-# A folder trained with domino-spec is first exported: domino-spec export --format sglang DRAFT_DIR OUT
+# {export_note}
 python -m sglang.launch_server \\
     --model-path {target} \\
     --speculative-algorithm DFLASH \\
@@ -195,16 +207,28 @@ SGLang needs CUDA and bf16 weights (the export writes bf16){sglang_head_note}.""
     )
 
 
-def upload_section(repo_id: str) -> str:
-    return f"""## Uploading
+def upload_section(repo_id: str, published: bool) -> str:
+    """How to upload the folder: as is when it is in the published (SGLang) format, which a `push_to_hub` of the
+    loaded draft would replace by our own."""
+    if published:
+        how = f"""This folder is in the published Domino / DFlash format that SGLang serves: upload it as is,
+card included, with `domino-spec card DRAFT_DIR --push-to-hub {repo_id}`, or from Python:
 
 ```python
+from huggingface_hub import HfApi
+HfApi().create_repo("{repo_id}", exist_ok=True)
+HfApi().upload_folder(folder_path="DRAFT_DIR", repo_id="{repo_id}")
+```
+Do not `push_to_hub` a draft loaded from it: that saves domino-spec's own format (`model_type: "domino"`, no
+`dflash_config`), which SGLang cannot serve."""
+    else:
+        how = f"""```python
 draft.push_to_hub("{repo_id}")  # weights, config.json and the model code (trust_remote_code)
 from huggingface_hub import ModelCard
 ModelCard.load("DRAFT_DIR/README.md").push_to_hub("{repo_id}")
 ```
-or, for a whole folder (card, weights, training summary): `domino-spec card DRAFT_DIR --push-to-hub {repo_id}`.
-Log in first with `hf auth login` (or set `HF_TOKEN`)."""
+or, for a whole folder (card, weights, training summary): `domino-spec card DRAFT_DIR --push-to-hub {repo_id}`."""
+    return f"## Uploading\n\n{how}\nLog in first with `hf auth login` (or set `HF_TOKEN`)."
 
 
 def training_section(summary: dict) -> str:
@@ -250,7 +274,7 @@ def build_model_card(
     folder: str, repo_id: str | None = None, license_id: str | None = None, datasets: list[str] | str | None = None
 ) -> ModelCard:
     """The card of the draft folder `folder`; `repo_id` names it in the usage snippets."""
-    config = draft_config(folder)
+    config, published = draft_config(folder)
     summary = training_details(folder) or {}
     bench = read_json(folder, BENCH_RESULTS)
     target = config.target_model_name or "TARGET_MODEL"
@@ -268,13 +292,13 @@ def build_model_card(
     sections = [
         f"# {title} draft for {target}",
         overview_section(config, target),
-        usage_section(repo_id, target, config),
+        usage_section(repo_id, target, config, published),
     ]
     if summary:
         sections.append(training_section(summary))
     if bench and bench.get("results"):
         sections.append(acceptance_section(bench))
-    sections.append(upload_section(repo_id if repo_id != "DRAFT_REPO_OR_DIR" else "your-name/your-draft"))
+    sections.append(upload_section(repo_id if repo_id != "DRAFT_REPO_OR_DIR" else "your-name/your-draft", published))
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
