@@ -414,6 +414,14 @@ def test_check_target_warns_of_a_same_shaped_target_of_another_name():
         draft.check_target(target)
 
 
+def test_check_target_rejects_a_draft_on_another_device():
+    """Without a second accelerator here, the meta device stands in for one; decoding refuses before any compute."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target).to("meta")
+    with pytest.raises(ValueError, match=r"the draft is on meta, the target's embedding layer is on cpu.*draft\.to\("):
+        target.generate(torch.randint(0, 100, (1, 6)), assistant_model=draft, max_new_tokens=4, do_sample=False)
+
+
 def test_target_features_without_positions_or_as_a_tuple_name_the_fix():
     setup = make_setup()
     with pytest.raises(ValueError, match="pass context_position_ids"):
