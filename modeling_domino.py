@@ -877,6 +877,14 @@ class DominoDraftModel(PreTrainedModel):
                 f"{input_ids.shape[0]}): transformers' assisted decoding is batch-1 only. For batches use "
                 "`domino_spec.generation.speculative_generate(target, draft, input_ids, attention_mask=...)`."
             )
+        for name in ("cache", "past_key_values"):  # the name changed in transformers 5.2x
+            cache = (model_kwargs or {}).get(name)
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(
+                    f"target.generate(assistant_model=draft) with a prefilled {name} (a cached prompt prefix) is not "
+                    "supported: transformers' assisted decoding then gives wrong tokens, with any assistant, and the "
+                    "draft needs the target's features of the whole prompt. Pass the whole prompt without a cache."
+                )
         if not _croppable_cache(generation_config.cache_implementation):
             raise ValueError(
                 f"Domino speculative decoding needs a cache it can crop after each verification; "

@@ -8,7 +8,7 @@ from speculative_helpers import make_peaked, random_prompts
 
 from domino_spec.generation import left_pad
 from transformers import GenerationMixin, PreTrainedTokenizerFast
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import DynamicCache, StaticLayer
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
@@ -140,6 +140,11 @@ def test_hf_path_errors(models):
     other = tiny_target("qwen3", num_hidden_layers=4)
     with pytest.raises(ValueError, match="built for"):
         other.generate(prompt, max_new_tokens=5, assistant_model=draft)
+    prefix_cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(prompt[:, :-2], past_key_values=prefix_cache)  # a cached prompt prefix: assisted decoding goes wrong
+    with pytest.raises(ValueError, match="prefilled cache .* Pass the whole prompt without a cache"):
+        target.generate(prompt, max_new_tokens=5, assistant_model=draft, past_key_values=prefix_cache)
 
 
 def test_native_errors(models):

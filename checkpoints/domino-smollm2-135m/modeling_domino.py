@@ -417,7 +417,7 @@ class DominoDraftModel(PreTrainedModel):
         return DominoConfig(**fields)
 
     def check_target(self, target: PreTrainedModel) -> None:
-        """Raise `ValueError` if `target` is not the model this draft was built for."""
+        """Raise `ValueError` if `target` is not the model this draft was built for, or not on the draft's device."""
         text_config = target.config.get_text_config()
         config = self.config
         problems = []
@@ -447,6 +447,19 @@ class DominoDraftModel(PreTrainedModel):
                 f"{target_name or type(target).__name__} has "
                 + "; ".join(problems)
                 + ". Use the draft trained for this target, or train one with `domino-spec train --target ...`."
+            )
+        # The draft runs the target's embeddings and LM head on its own activations.
+        devices = {
+            "draft": self.fc.weight.device,
+            "target's embedding layer": target.get_input_embeddings().weight.device,
+            "target's LM head": target.get_output_embeddings().weight.device,
+        }
+        if len(set(devices.values())) > 1:
+            raise ValueError(
+                "The draft and the target's embeddings and LM head must share a device, but "
+                + ", ".join(f"the {name} is on {device}" for name, device in devices.items())
+                + ": move the draft with draft.to(target.get_input_embeddings().weight.device), and keep the target's "
+                "embeddings and LM head on one device (device_map)."
             )
 
     # ------------------------------------------------------------------ backbone
@@ -864,6 +877,14 @@ class DominoDraftModel(PreTrainedModel):
                 f"{input_ids.shape[0]}): transformers' assisted decoding is batch-1 only. For batches use "
                 "`domino_spec.generation.speculative_generate(target, draft, input_ids, attention_mask=...)`."
             )
+        for name in ("cache", "past_key_values"):  # the name changed in transformers 5.2x
+            cache = (model_kwargs or {}).get(name)
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(
+                    f"target.generate(assistant_model=draft) with a prefilled {name} (a cached prompt prefix) is not "
+                    "supported: transformers' assisted decoding then gives wrong tokens, with any assistant, and the "
+                    "draft needs the target's features of the whole prompt. Pass the whole prompt without a cache."
+                )
         if not _croppable_cache(generation_config.cache_implementation):
             raise ValueError(
                 f"Domino speculative decoding needs a cache it can crop after each verification; "
