@@ -48,6 +48,24 @@ class OracleDraft(DominoDraftModel):
         return DominoDraft(tokens=tokens, logits=logits)
 
 
+@torch.no_grad()
+def draft_from_scratch(draft: DominoDraftModel, target, input_ids: torch.Tensor, **kwargs) -> DominoDraft:
+    """The draft's block after `input_ids` (`[B, T]`, its last token the anchor) from an empty context cache, with
+    the features of one full target forward: what incremental decoding must reproduce round after round."""
+    context, device = input_ids.shape[1] - 1, input_ids.device
+    features = draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
+    return draft.draft_block(
+        input_ids[:, -1],
+        torch.full((input_ids.shape[0],), context, device=device),
+        DominoContextCache(),
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+        target_hidden=features[:, :context],
+        context_position_ids=torch.arange(context, device=device).expand(input_ids.shape[0], -1),
+        **kwargs,
+    )
+
+
 LIVE_TOKENS = [3, 17, 42, 77, 101]
 
 
@@ -70,14 +88,20 @@ def make_peaked(target: nn.Module, scale: float = 5.0, live_tokens: list[int] = 
 
 @torch.no_grad()
 def exact_joint_distribution(
-    target, prompt: torch.Tensor, num_tokens: int, processors: LogitsProcessorList, min_probability: float = 1e-7
+    target,
+    prompt: torch.Tensor,
+    num_tokens: int,
+    processors: LogitsProcessorList,
+    eos_token_id: int | None = None,
+    min_probability: float = 1e-7,
 ) -> dict[tuple[int, ...], float]:
     """Exact probabilities of the first `num_tokens` sampled tokens after `prompt` (`[1, P]`) under `processors`.
 
-    Enumerates continuations whose probability is at least `min_probability`; the rest of the mass is left out
-    (callers pool it into an "other" outcome).
+    With `eos_token_id`, a continuation ends at its EOS, as generation does: shorter outcomes. Enumerates
+    continuations whose probability is at least `min_probability`; the rest of the mass is left out (callers pool
+    it into an "other" outcome).
     """
-    frontier = {(): 1.0}
+    finished, frontier = {}, {(): 1.0}
     for _ in range(num_tokens):
         prefixes = list(frontier)
         continuations = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)
@@ -90,7 +114,17 @@ def exact_joint_distribution(
             for i, prefix in enumerate(prefixes)
             for token in (probs[i] * frontier[prefix] >= min_probability).nonzero().flatten().tolist()
         }
-    return frontier
+        if eos_token_id is not None:
+            finished |= {outcome: p for outcome, p in frontier.items() if outcome[-1] == eos_token_id}
+            frontier = {outcome: p for outcome, p in frontier.items() if outcome[-1] != eos_token_id}
+        if not frontier:
+            break
+    return finished | frontier
+
+
+def until_eos(tokens: list[int], eos_token_id: int) -> tuple[int, ...]:
+    """`tokens` up to and including the first EOS: the outcome `exact_joint_distribution` counts."""
+    return tuple(tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens)
 
 
 def chi_square_critical(degrees_of_freedom: int, z: float) -> float:

@@ -4,27 +4,11 @@ and compiled drafting (`compile_drafting`), which gives the eager tokens."""
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
+from speculative_helpers import draft_from_scratch
 
 from domino_spec import DominoContextCache
 from domino_spec.generation import speculative_generate
 from domino_spec.head_domino import greedy_head
-
-
-def _draft_once(draft, target, input_ids, **kwargs):
-    cache, device = DominoContextCache(), input_ids.device
-    context = input_ids.shape[1] - 1
-    with torch.no_grad():
-        features = draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
-    return draft.draft_block(
-        input_ids[:, -1],
-        torch.full((input_ids.shape[0],), context, device=device),
-        cache,
-        target.get_input_embeddings(),
-        target.get_output_embeddings(),
-        target_hidden=features[:, :context],
-        context_position_ids=torch.arange(context, device=device).expand(input_ids.shape[0], -1),
-        **kwargs,
-    )
 
 
 def _target_and_draft(device: str = "cpu", **draft_fields):
@@ -45,9 +29,9 @@ def test_gru_input_table_matches_per_step_projection(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
     draft.config.gru_input_table_max_bytes = 0
-    direct = _draft_once(draft, target, input_ids)
+    direct = draft_from_scratch(draft, target, input_ids)
     draft.config.gru_input_table_max_bytes = 2**30
-    tabled = _draft_once(draft, target, input_ids)
+    tabled = draft_from_scratch(draft, target, input_ids)
     assert "gru_input_table" in draft.__dict__["_derived_tensors"]
     assert torch.equal(direct.tokens, tabled.tokens)
     torch.testing.assert_close(tabled.logits, direct.logits)
@@ -56,13 +40,13 @@ def test_gru_input_table_matches_per_step_projection(target_and_draft):
 def test_derived_weights_follow_weight_updates(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (2, 12))
-    before = _draft_once(draft, target, input_ids)
+    before = draft_from_scratch(draft, target, input_ids)
     with torch.no_grad():
         draft.prefix_gru.weight_ih_l0.mul_(-1.0)  # in place: same storage, new version
         draft.embed_proj[2].weight.mul_(-1.0)
-    after = _draft_once(draft, target, input_ids)
+    after = draft_from_scratch(draft, target, input_ids)
     draft.clear_derived_tensors()
-    rebuilt = _draft_once(draft, target, input_ids)
+    rebuilt = draft_from_scratch(draft, target, input_ids)
     assert not torch.allclose(after.logits, before.logits)
     torch.testing.assert_close(after.logits, rebuilt.logits)
 
@@ -71,13 +55,13 @@ def test_clear_derived_tensors_after_writing_weights_through_data(target_and_dra
     """A write through `.data` (peft's merge_adapter) changes no version: the cache cannot see it, the user clears it."""
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (2, 12))
-    _draft_once(draft, target, input_ids)  # builds the derived tensors
+    draft_from_scratch(draft, target, input_ids)  # builds the derived tensors
     draft.prefix_gru.weight_hh_l0.data.mul_(-1.0)
     draft.embed_proj[2].weight.data.mul_(-1.0)
     draft.clear_derived_tensors()
     fresh = tiny_draft(target, block_size=6)
     fresh.load_state_dict(draft.state_dict())
-    torch.testing.assert_close(_draft_once(draft, target, input_ids).logits, _draft_once(fresh, target, input_ids).logits)
+    torch.testing.assert_close(draft_from_scratch(draft, target, input_ids).logits, draft_from_scratch(fresh, target, input_ids).logits)
 
 
 @torch.no_grad()
@@ -115,9 +99,9 @@ def test_drafted_tokens_are_embedded_as_in_training(table_bytes):
 def test_candidate_pool_of_the_whole_vocabulary_changes_nothing(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
-    full = _draft_once(draft, target, input_ids)
+    full = draft_from_scratch(draft, target, input_ids)
     draft.config.head_candidate_pool = draft.config.vocab_size
-    pooled = _draft_once(draft, target, input_ids)
+    pooled = draft_from_scratch(draft, target, input_ids)
     assert torch.equal(full.tokens, pooled.tokens)
     torch.testing.assert_close(pooled.logits, full.logits)
 
@@ -126,7 +110,7 @@ def test_candidate_pool_restricts_greedy_drafts_to_the_best_base_tokens(target_a
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
     draft.config.head_candidate_pool = 3
-    pooled = _draft_once(draft, target, input_ids)
+    pooled = draft_from_scratch(draft, target, input_ids)
     prefix = draft.config.pure_draft_prefix_len
     finite = torch.isfinite(pooled.logits[:, prefix:])
     assert (finite.sum(-1) == 3).all()  # only the pool keeps a logit
@@ -141,12 +125,12 @@ def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_dra
 
     def sampled(logits_processor=None):
         generator = torch.Generator().manual_seed(0)
-        return _draft_once(draft, target, input_ids, do_sample=True, generator=generator, prefix_ids=input_ids,
+        return draft_from_scratch(draft, target, input_ids, do_sample=True, generator=generator, prefix_ids=input_ids,
                            logits_processor=logits_processor)
 
     whole_vocabulary = sampled()
     draft.config.head_candidate_pool = 3
-    pool_tokens = torch.isfinite(_draft_once(draft, target, input_ids).logits[:, prefix:]).any(1)  # [M, V]
+    pool_tokens = torch.isfinite(draft_from_scratch(draft, target, input_ids).logits[:, prefix:]).any(1)  # [M, V]
     assert torch.equal(sampled().tokens, whole_vocabulary.tokens)
     banned = sampled(lambda ids, scores: scores.masked_fill(pool_tokens, float("-inf")))
     assert not pool_tokens.gather(1, banned.tokens[:, prefix:]).any()
@@ -168,7 +152,7 @@ def test_candidate_pool_without_pure_prefix(target_and_draft):
     target, draft = target_and_draft
     draft.config.pure_draft_prefix_len = 0
     draft.config.head_candidate_pool = 3
-    pooled = _draft_once(draft, target, torch.randint(0, 100, (2, 12)))
+    pooled = draft_from_scratch(draft, target, torch.randint(0, 100, (2, 12)))
     assert pooled.logits.shape[-1] == draft.config.vocab_size
     assert (torch.isfinite(pooled.logits).sum(-1) == 3).all()
     assert torch.equal(pooled.logits.argmax(-1), pooled.tokens)
@@ -219,11 +203,11 @@ def test_compiled_drafting_gives_eager_tokens(target_and_draft, pool):
     target, draft = target_and_draft
     draft.config.head_candidate_pool = pool
     contexts = [torch.randint(0, 100, (2, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 20)]
-    eager = [_draft_once(draft, target, input_ids) for input_ids in contexts]
+    eager = [draft_from_scratch(draft, target, input_ids) for input_ids in contexts]
     draft.compile_drafting()
     try:
         for input_ids, expected in zip(contexts, eager):  # a growing context: the dynamic backbone, compiled once
-            compiled = _draft_once(draft, target, input_ids)
+            compiled = draft_from_scratch(draft, target, input_ids)
             assert torch.equal(compiled.tokens, expected.tokens)
             torch.testing.assert_close(compiled.logits, expected.logits, rtol=1e-4, atol=1e-4)
         input_ids = contexts[0][:1]

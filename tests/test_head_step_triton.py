@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from test_head_loop import _draft_once, _target_and_draft
+from speculative_helpers import draft_from_scratch
+from test_head_loop import _target_and_draft
 
 from domino_spec import DominoConfig, head_step_triton
 from domino_spec.generation import speculative_generate
@@ -24,9 +25,9 @@ def target_and_draft():
 
 def _fused_and_unfused(draft, target, input_ids):
     draft.config.fused_head_step = False
-    unfused = _draft_once(draft, target, input_ids)
+    unfused = draft_from_scratch(draft, target, input_ids)
     draft.config.fused_head_step = True
-    return _draft_once(draft, target, input_ids), unfused
+    return draft_from_scratch(draft, target, input_ids), unfused
 
 
 @pytest.mark.parametrize("pool", [1, 5, 128])
@@ -77,7 +78,7 @@ def test_fused_step_needs_a_candidate_pool(target_and_draft):
         DominoConfig(head_candidate_pool=0, fused_head_step=True)
     draft.config.fused_head_step = True  # set after construction: checked when drafting
     with pytest.raises(ValueError, match="head_candidate_pool > 0"):
-        _draft_once(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
+        draft_from_scratch(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
@@ -86,7 +87,7 @@ def test_fused_step_on_cpu_without_the_interpreter_names_the_fix(target_and_draf
     draft.config.head_candidate_pool, draft.config.fused_head_step = 4, True
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="fused_head_step = False"):
-        _draft_once(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
+        draft_from_scratch(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile runs user Triton kernels on GPUs only")
@@ -94,11 +95,11 @@ def test_compiled_fused_step_drafts_the_eager_fused_tokens(target_and_draft):
     target, draft = target_and_draft
     draft.config.head_candidate_pool, draft.config.fused_head_step = 8, True
     contexts = [torch.randint(0, 128, (2, n), device=DEVICE) for n in (9, 14)]
-    eager = [_draft_once(draft, target, input_ids) for input_ids in contexts]
+    eager = [draft_from_scratch(draft, target, input_ids) for input_ids in contexts]
     draft.compile_drafting()
     try:
         for input_ids, expected in zip(contexts, eager):
-            compiled = _draft_once(draft, target, input_ids)
+            compiled = draft_from_scratch(draft, target, input_ids)
             assert torch.equal(compiled.tokens, expected.tokens)
             torch.testing.assert_close(compiled.logits, expected.logits, rtol=1e-4, atol=1e-4)
     finally:
@@ -110,7 +111,7 @@ def test_compiled_fused_step_drafts_the_eager_fused_tokens(target_and_draft):
 def test_autotuner_picks_one_of_the_launch_configs_per_shape(target_and_draft):
     target, draft = target_and_draft
     draft.config.head_candidate_pool, draft.config.fused_head_step, draft.config.pure_draft_prefix_len = 6, True, 1
-    _draft_once(draft, target, torch.randint(0, 128, (1, 9), device=DEVICE))
+    draft_from_scratch(draft, target, torch.randint(0, 128, (1, 9), device=DEVICE))
     tuned = head_step_triton.tuned_launch_configs().items()
     picks = {key: config for key, config in tuned if key.startswith("32, 16, 6, ")}  # G, R, pool of this draft
     assert len(picks) == 3  # slot 0 (STEP only), the slots in between (PICK and STEP), the last (PICK only)

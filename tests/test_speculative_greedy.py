@@ -3,7 +3,8 @@
 50 random prompts per target family (tiny Qwen3 and Llama), with a random draft (the real model: low acceptance)
 and an oracle draft (the target's own greedy continuation: full-block acceptance), EOS and length limits landing
 inside blocks, through `target.generate(assistant_model=draft)` (draft loaded with AutoModel, trust_remote_code)
-and through the native engine, alone and in padded batches.
+and through the native engine, alone and in padded batches. Losslessness cannot show a draft fed the wrong context
+(it is only slower): every round's block is also checked against a draft given the whole sequence at once.
 
 Floating point: verification computes the target's logits on 1 + S tokens at once, which can differ from one-token
 decoding in the last bits and flip an argmax on a near tie. Every test runs in float64, where such ties cannot
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
-from speculative_helpers import OracleDraft, random_prompts
+from speculative_helpers import OracleDraft, draft_from_scratch, random_prompts
 from transformers import AutoModel
 
 from domino_spec.generation import left_pad, speculative_generate
@@ -141,6 +142,46 @@ def test_native_plain_decoding(setup):
                                       eos_token_id=case.eos_token_id)
         _assert_equal(case, output.sequences, f"{setup.family} native plain decoding")
         assert set(output.acceptance_lengths[0]) <= {1}
+
+
+@pytest.mark.parametrize("path", ["hf", "native"])
+def test_every_round_drafts_what_a_draft_from_scratch_drafts(path):
+    """Losslessness hides a draft fed wrong context (features at shifted positions, a stale cache): its output is
+    still exact, only slower. Each round's block must equal the block of a draft given the whole committed sequence
+    at once (one target forward, an empty context cache)."""
+    target = tiny_target("qwen3", dtype=torch.float64)
+    draft = tiny_draft(target).to(torch.float64)
+    rounds = []
+
+    def recording_draft_block(**kwargs):
+        block = type(draft).draft_block(draft, **kwargs)
+        rounds.append((int(kwargs["anchor_position_ids"][0]), block))
+        return block
+
+    for prompt in random_prompts(4, seed=7):
+        rounds.clear()
+        draft.draft_block = recording_draft_block
+        if path == "hf":
+            output = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft)
+        else:
+            output = speculative_generate(target, draft, prompt, max_new_tokens=16, eos_token_id=[]).sequences
+        del draft.draft_block
+        assert len(rounds) > 3
+        for anchor_position, block in rounds:
+            expected = draft_from_scratch(draft, target, output[:, : anchor_position + 1])
+            assert torch.equal(block.tokens, expected.tokens), f"round at {anchor_position} of {output.tolist()}"
+            torch.testing.assert_close(block.logits, expected.logits)
+
+
+def test_bfloat16_draft_of_a_float32_target_is_lossless():
+    """The shipped setting: a bf16 draft reads fp32 target features and the target's fp32 embeddings and LM head."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target).to(torch.bfloat16)
+    for prompt in random_prompts(10, seed=13):
+        expected = target.generate(prompt, max_new_tokens=14, do_sample=False)
+        assert torch.equal(target.generate(prompt, max_new_tokens=14, do_sample=False, assistant_model=draft), expected)
+        native = speculative_generate(target, draft, prompt, max_new_tokens=14, eos_token_id=[])
+        assert torch.equal(native.sequences, expected)
 
 
 @pytest.mark.parametrize("which", ["random", "oracle"])

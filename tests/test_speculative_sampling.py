@@ -1,18 +1,20 @@
-"""Speculative sampling is exact: the first generated tokens are distributed as the target's own sampling.
+"""Speculative sampling is exact: the generated tokens are distributed as the target's own sampling.
 
 Setup with statistical power: the tiny Qwen3 target's LM head is peaked on five tokens (`make_peaked`); the real
 random draft shares that head, so its proposals fall on the same tokens with different probabilities and are
-accepted about half the time. The exact joint distribution of the first three generated tokens is enumerated with
-transformers' own logits processors, and samples from each decoding path are compared with Pearson's chi-square
-test at alpha = 1e-4 (outcomes expected fewer than 5 times pooled). The same test applied to the target's own
-`generate(do_sample=True)` checks the reference. A sampler that skipped the residual distribution or accepted every
-draft fails by a wide margin (the statistic is tens to hundreds of times the bound).
+accepted about half the time. One of the five is EOS. The exact distribution of the whole generation (up to
+`NUM_TOKENS` tokens, ending at EOS) is enumerated with transformers' own logits processors, and samples from each
+decoding path are compared with Pearson's chi-square test at alpha = 1e-4 (outcomes expected fewer than 5 times
+pooled). The window covers the prefill's token, a first round's drafts and its bonus token, later rounds, EOS
+inside a block and the length limit cutting a round. The same test applied to the target's own
+`generate(do_sample=True)` checks the reference. A sampler that skipped the residual distribution, took the bonus
+token greedily or accepted every draft fails by a wide margin (the statistic is tens to hundreds of times the bound).
 """
 
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target, word_tokenizer
-from speculative_helpers import LIVE_TOKENS, chi_square_test, exact_joint_distribution, make_peaked
+from speculative_helpers import LIVE_TOKENS, chi_square_test, exact_joint_distribution, make_peaked, until_eos
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -23,9 +25,10 @@ from transformers import (
 
 from domino_spec.generation import speculative_generate
 
-NUM_TOKENS = 3  # the joint of the first three tokens: the prefill's token and the first round's two drafts
-NUM_NATIVE_SAMPLES = 4000  # one batched call: every row is one seed's run
-NUM_HF_SAMPLES = 800  # one generate call per seed
+NUM_TOKENS = 5  # max_new_tokens: the prefill's token, then three drafts and a bonus token if all are accepted
+EOS = LIVE_TOKENS[1]  # about half the sequences end at it, most inside a block
+NUM_NATIVE_SAMPLES = 4000  # one batched call: every row is one seed's run, rows finishing at different times
+NUM_HF_SAMPLES = 1500  # one generate call per seed
 NUM_HF_STOP_SAMPLES = 1500  # the stop string takes an eighth of the mass: more samples for power
 
 
@@ -37,8 +40,15 @@ def models():
     return target, draft, prompt
 
 
-def _first_tokens(sequences: torch.Tensor, prompt_length: int) -> list[tuple[int, ...]]:
-    return [tuple(row) for row in sequences[:, prompt_length : prompt_length + NUM_TOKENS].tolist()]
+def _outcomes(sequences: torch.Tensor, prompt_length: int, pad_token_id: int | None = None) -> list[tuple[int, ...]]:
+    """Each row's generated tokens up to EOS; with `pad_token_id`, rows must be padded with it after their EOS."""
+    outcomes = []
+    for row in sequences[:, prompt_length:].tolist():
+        outcome = until_eos(row, EOS)
+        if pad_token_id is not None:
+            assert row[len(outcome) :] == [pad_token_id] * (len(row) - len(outcome)), row
+        outcomes.append(outcome)
+    return outcomes
 
 
 NATIVE_SETTINGS = {
@@ -54,15 +64,16 @@ NATIVE_SETTINGS = {
 def test_native_sampling_matches_target_distribution(models, name):
     target, draft, prompt = models
     settings, processors = NATIVE_SETTINGS[name]
-    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors)
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
     batch = prompt.expand(NUM_NATIVE_SAMPLES, -1)
-    # max_new_tokens = NUM_TOKENS + 1 so that the first round verifies two drafts (then the budget ends it)
-    output = speculative_generate(target, draft, batch, max_new_tokens=NUM_TOKENS + 1, do_sample=True,
-                                  generator=torch.Generator().manual_seed(0), **settings)
+    output = speculative_generate(target, draft, batch, max_new_tokens=NUM_TOKENS, do_sample=True, eos_token_id=EOS,
+                                  pad_token_id=0, generator=torch.Generator().manual_seed(0), **settings)
     # The draft must be neither always rejected nor always accepted for the test to mean something.
     rates = output.position_acceptance_rates
     assert 0.15 < float(rates[0]) < 0.95 and 0.05 < float(rates[1]) < 0.95, rates
-    statistic, bound = chi_square_test(_first_tokens(output.sequences, prompt.shape[1]), exact)
+    outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
+    assert 0.1 < sum(outcome[-1] == EOS for outcome in outcomes) / len(outcomes) < 0.9  # EOS inside blocks, often
+    statistic, bound = chi_square_test(outcomes, exact)
     assert statistic < bound, f"native speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
 
 
@@ -71,9 +82,10 @@ def test_target_own_sampling_matches_reference(models):
     target, _, prompt = models
     torch.manual_seed(0)
     sequences = target.generate(prompt.expand(NUM_NATIVE_SAMPLES, -1), max_new_tokens=NUM_TOKENS, do_sample=True,
-                                temperature=0.7, top_k=3, top_p=0.9)
-    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, NATIVE_SETTINGS["temperature-top_k-top_p"][1])
-    statistic, bound = chi_square_test(_first_tokens(sequences, prompt.shape[1]), exact)
+                                temperature=0.7, top_k=3, top_p=0.9, eos_token_id=EOS, pad_token_id=0)
+    processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
+    statistic, bound = chi_square_test(_outcomes(sequences, prompt.shape[1], pad_token_id=0), exact)
     assert statistic < bound, f"target.generate sampling: chi-square {statistic:.1f} >= {bound:.1f}"
 
 
@@ -83,19 +95,19 @@ def test_hf_path_sampling_matches_target_distribution(models):
     processors = LogitsProcessorList(
         [
             RepetitionPenaltyLogitsProcessor(1.5),
-            TemperatureLogitsWarper(0.8),
-            TopKLogitsWarper(4),
+            TemperatureLogitsWarper(0.6),
+            TopKLogitsWarper(3),
             TopPLogitsWarper(0.95),
         ]
     )
-    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors)
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
     samples = []
     for seed in range(NUM_HF_SAMPLES):
         torch.manual_seed(seed)
-        # max_new_tokens = NUM_TOKENS + 1 so that the first round verifies two drafts
-        sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS + 1, do_sample=True, temperature=0.8, top_k=4,
-                                    top_p=0.95, repetition_penalty=1.5, assistant_model=draft)
-        samples += _first_tokens(sequences, prompt.shape[1])
+        sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=0.6, top_k=3,
+                                    top_p=0.95, repetition_penalty=1.5, eos_token_id=EOS, pad_token_id=0,
+                                    assistant_model=draft)
+        samples += _outcomes(sequences, prompt.shape[1])
     statistic, bound = chi_square_test(samples, exact)
     assert statistic < bound, f"HF-path speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
 
