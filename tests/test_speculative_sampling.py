@@ -23,7 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from domino_spec.generation import speculative_generate
+from domino_spec.generation import left_pad, speculative_generate
 
 NUM_TOKENS = 5  # max_new_tokens: the prefill's token, then three drafts and a bonus token if all are accepted
 EOS = LIVE_TOKENS[1]  # about half the sequences end at it, most inside a block
@@ -75,6 +75,20 @@ def test_native_sampling_matches_target_distribution(models, name):
     assert 0.1 < sum(outcome[-1] == EOS for outcome in outcomes) / len(outcomes) < 0.9  # EOS inside blocks, often
     statistic, bound = chi_square_test(outcomes, exact)
     assert statistic < bound, f"native speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_native_sampling_of_a_left_padded_batch_matches_each_prompt(models):
+    """Two prompts of different lengths interleaved in one batch: every row follows its own prompt's distribution."""
+    target, draft, prompt = models
+    short_prompt = torch.tensor([[9, 44, 70]])
+    input_ids, attention_mask = left_pad([prompt, short_prompt] * (NUM_NATIVE_SAMPLES // 2), pad_token_id=0)
+    output = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=NUM_TOKENS, do_sample=True,
+                                  eos_token_id=EOS, pad_token_id=0, generator=torch.Generator().manual_seed(1))
+    outcomes = _outcomes(output.sequences, input_ids.shape[1], pad_token_id=0)
+    for parity, row_prompt in enumerate([prompt, short_prompt]):
+        exact = exact_joint_distribution(target, row_prompt, NUM_TOKENS, LogitsProcessorList(), eos_token_id=EOS)
+        statistic, bound = chi_square_test(outcomes[parity::2], exact)
+        assert statistic < bound, f"prompt {parity} of a padded batch: chi-square {statistic:.1f} >= {bound:.1f}"
 
 
 def test_target_own_sampling_matches_reference(models):
