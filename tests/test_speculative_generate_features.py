@@ -1,6 +1,8 @@
 """`target.generate(assistant_model=draft)` features (stop strings, streamers, return_dict_in_generate), the
 generate hook, and the clear errors of both decoding paths."""
 
+import inspect
+
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target, word_tokenizer
@@ -140,11 +142,13 @@ def test_hf_path_errors(models):
     other = tiny_target("qwen3", num_hidden_layers=4)
     with pytest.raises(ValueError, match="built for"):
         other.generate(prompt, max_new_tokens=5, assistant_model=draft)
+    # A cached prompt prefix, with which assisted decoding goes wrong (`cache` is `past_key_values` before 5.2x).
+    cache_name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     prefix_cache = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(prompt[:, :-2], past_key_values=prefix_cache)  # a cached prompt prefix: assisted decoding goes wrong
+        target(prompt[:, :-2], **{cache_name: prefix_cache})
     with pytest.raises(ValueError, match="prefilled cache .* Pass the whole prompt without a cache"):
-        target.generate(prompt, max_new_tokens=5, assistant_model=draft, past_key_values=prefix_cache)
+        target.generate(prompt, max_new_tokens=5, assistant_model=draft, **{cache_name: prefix_cache})
 
 
 def test_native_errors(models):
