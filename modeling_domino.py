@@ -594,7 +594,8 @@ class DominoDraftModel(PreTrainedModel):
             name = f"up_columns_{logits_dtype}"
             up_columns = self._derived(name, (up,), lambda: up.t().to(logits_dtype).contiguous())  # [R, V]
         gate_table = self._gru_input_table(embed_tokens)
-        return DominoHeadWeights(self.prefix_gru.weight_ih_l0, embed_tokens, gate_table, state_weight, down, up, up_columns)
+        weight_ih = self.prefix_gru.weight_ih_l0
+        return DominoHeadWeights(weight_ih, embed_tokens, gate_table, state_weight, down, up, up_columns)
 
     def _head_loop(
         self,
@@ -1003,7 +1004,8 @@ class StopStringDraftMask:
     def __init__(self, stop_strings: StopStringCriteria):
         self.stop_strings = stop_strings
         # Per token, the lengths of the stop strings' ends it can hold; -1 pads. A token holding none ends no match.
-        end_lengths = stop_strings.embedding_vec[:, stop_strings.max_valid_positions * stop_strings.num_stop_strings : -1]
+        first_end_column = stop_strings.max_valid_positions * stop_strings.num_stop_strings
+        end_lengths = stop_strings.embedding_vec[:, first_end_column:-1]
         self.final_tokens = (end_lengths > 0).any(dim=-1).nonzero().flatten()  # [F]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

@@ -132,9 +132,9 @@ def head_slot_loop(
     Per slot: one matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused), the
     rank-R residual fused with the base-logit add (only over the slot's candidate pool when `block` has one, in
     greedy drafting: the other tokens get -inf), a pick, and the GRU step on the picked token. Slots before
-    `first_corrected` (`pure_draft_prefix_len`) keep their base logits. `choose(s, logits)` returns `(token, logits it was drawn
-    from)`; `None` is greedy argmax with no Python callback, which is what makes the loop compilable (unrolled).
-    Returns `[M, S]` tokens and `[M, S, V]` logits.
+    `first_corrected` (`pure_draft_prefix_len`) keep their base logits. `choose(s, logits)` returns `(token, logits
+    it was drawn from)`; `None` is greedy argmax with no Python callback, which is what makes the loop compilable
+    (unrolled). Returns `[M, S]` tokens and `[M, S, V]` logits.
     """
     num_slots = base_logits.shape[1]
     gate_size = weights.weight_ih.shape[0]
