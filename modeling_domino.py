@@ -1010,6 +1010,8 @@ class StopStringDraftMask:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         tokens = self.final_tokens[self.final_tokens < scores.shape[-1]].to(input_ids.device)
+        if tokens.numel() == 0:
+            return scores
         tail = input_ids[:, -self.stop_strings.maximum_token_len :]  # a match spans at most this many tokens
         masked = scores.clone()
         for row in range(input_ids.shape[0]):
