@@ -22,6 +22,11 @@ def default_target_layer_ids(num_target_layers: int, num_tapped_layers: int) -> 
     return [round(FIRST_TAPPED_LAYER + i * span / (num_tapped_layers - 1)) for i in range(num_tapped_layers)]
 
 
+def _is_integer(value) -> bool:
+    """An int, not a bool: `True` is an int in Python, and `[True, 3]` as layer ids is a mistake, not layer 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check(condition: bool, field: str, value, expected: str) -> None:
     if not condition:
         raise ValueError(f"DominoConfig.{field}={value!r} is invalid: expected {expected}.")
@@ -93,6 +98,11 @@ class DominoConfig(PretrainedConfig):
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+            if max(self.target_layer_ids) >= self.num_target_layers:
+                raise ValueError(
+                    f"A target of {self.num_target_layers} layers is too shallow for the default target_layer_ids of "
+                    f"a {self.num_hidden_layers}-layer draft ({self.target_layer_ids}): pass target_layer_ids."
+                )
         super().__post_init__(**kwargs)
         self.check()
 
@@ -121,7 +131,7 @@ class DominoConfig(PretrainedConfig):
             "emb_dim",
         ):
             value = getattr(self, field)
-            _check(isinstance(value, int) and value > 0, field, value, "a positive integer")
+            _check(_is_integer(value) and value > 0, field, value, "a positive integer")
         _check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             "num_key_value_heads",
@@ -135,7 +145,7 @@ class DominoConfig(PretrainedConfig):
             f"hidden_size={self.hidden_size}: the draft embeds with the target's embeddings and projects with its LM head",
         )
         _check(
-            isinstance(self.block_size, int) and self.block_size >= 2,
+            _is_integer(self.block_size) and self.block_size >= 2,
             "block_size",
             self.block_size,
             "an integer >= 2 (the anchor plus at least one mask token)",
@@ -143,19 +153,19 @@ class DominoConfig(PretrainedConfig):
         _check(
             isinstance(self.target_layer_ids, (list, tuple))
             and len(self.target_layer_ids) > 0
-            and all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
+            and all(_is_integer(i) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
             "target_layer_ids",
             self.target_layer_ids,
             f"a non-empty list of layer indices in [0, {self.num_target_layers - 1}] (num_target_layers={self.num_target_layers})",
         )
         _check(
-            isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
+            _is_integer(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
             "mask_token_id",
             self.mask_token_id,
             f"a token id in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size})",
         )
         _check(
-            isinstance(self.pure_draft_prefix_len, int) and 0 <= self.pure_draft_prefix_len <= self.num_draft_tokens,
+            _is_integer(self.pure_draft_prefix_len) and 0 <= self.pure_draft_prefix_len <= self.num_draft_tokens,
             "pure_draft_prefix_len",
             self.pure_draft_prefix_len,
             f"an integer in [0, {self.num_draft_tokens}] (the number of drafts per block)",
@@ -164,7 +174,7 @@ class DominoConfig(PretrainedConfig):
             0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
         )
         _check(
-            isinstance(self.head_candidate_pool, int) and 0 <= self.head_candidate_pool <= self.vocab_size,
+            _is_integer(self.head_candidate_pool) and 0 <= self.head_candidate_pool <= self.vocab_size,
             "head_candidate_pool",
             self.head_candidate_pool,
             f"0 (off) or a pool size in [1, {self.vocab_size}]",
