@@ -173,6 +173,11 @@ class DominoConfig(PretrainedConfig):
         _check(
             0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
         )
+        self.check_inference_options()
+
+    def check_inference_options(self) -> None:
+        """Raise `ValueError` naming the first invalid inference-time option of the head loop. They are meant to be
+        set on a loaded draft (`draft.config.head_candidate_pool = 32`), so drafting checks them again."""
         _check(
             _is_integer(self.head_candidate_pool) and 0 <= self.head_candidate_pool <= self.vocab_size,
             "head_candidate_pool",

@@ -119,6 +119,14 @@ def test_candidate_pool_restricts_greedy_drafts_to_the_best_base_tokens(target_a
     assert torch.equal(pooled.logits.argmax(-1), pooled.tokens)
 
 
+@pytest.mark.parametrize("pool", [-1, 129])
+def test_candidate_pool_set_on_a_loaded_draft_is_checked_when_drafting(target_and_draft, pool):
+    target, draft = target_and_draft
+    draft.config.head_candidate_pool = pool
+    with pytest.raises(ValueError, match=rf"head_candidate_pool={pool} is invalid: expected 0 \(off\) or a pool size"):
+        draft_from_scratch(draft, target, torch.randint(0, 100, (1, 9)))
+
+
 def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_draft):
     """A logits processor may mask every token of a pool: processed or sampled drafts score the whole vocabulary."""
     target, draft = target_and_draft

@@ -77,7 +77,7 @@ def test_fused_step_needs_a_candidate_pool(target_and_draft):
     with pytest.raises(ValueError, match="fused_head_step"):
         DominoConfig(head_candidate_pool=0, fused_head_step=True)
     draft.config.fused_head_step = True  # set after construction: checked when drafting
-    with pytest.raises(ValueError, match="head_candidate_pool > 0"):
+    with pytest.raises(ValueError, match="fused_head_step=True is invalid: .* head_candidate_pool > 0"):
         draft_from_scratch(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
 
 

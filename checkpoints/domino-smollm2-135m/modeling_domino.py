@@ -635,12 +635,8 @@ class DominoDraftModel(PreTrainedModel):
     def _greedy_head_options(self) -> tuple[int, int, bool]:
         """`greedy_head`'s `(first_corrected, pool_size, fused_step)` from the config, checked against this machine."""
         config = self.config
+        config.check_inference_options()
         if config.fused_head_step:
-            if not config.head_candidate_pool:
-                raise ValueError(
-                    "config.fused_head_step needs config.head_candidate_pool > 0 (the fused step corrects a candidate "
-                    "pool); set a pool (e.g. 64) or fused_head_step = False."
-                )
             device = self.prefix_gru.weight_hh_l0.device
             if not kernel_runs_on(device):
                 raise RuntimeError(
