@@ -97,7 +97,7 @@ def test_gpu_check_records_a_failing_variant_and_measures_the_others(tmp_path):
     ])  # fmt: skip
     fused = head_step_triton.kernel_runs_on(torch.device("cpu"))
     assert set(results["errors"]) == {"pool2000", *(["pool2000_fused"] if fused else [])}
-    assert "RuntimeError" in results["errors"]["pool2000"]
+    assert "head_candidate_pool=2000 is invalid" in results["errors"]["pool2000"]
     assert set(results["variants"]) == {"eager", "pool8", *(["pool8_fused"] if fused else [])}
     assert "**pool2000 failed:**" in output.with_suffix(".md").read_text()
 
