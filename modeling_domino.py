@@ -585,7 +585,7 @@ class DominoDraftModel(PreTrainedModel):
     def _head_weights(self, embed_tokens: nn.Module, logits_dtype: torch.dtype, pool_size: int) -> DominoHeadWeights:
         """The head's weights in the slot loop's layouts for a candidate pool of `pool_size` (0: the whole vocabulary),
         derived once per weight version (`_derived`)."""
-        weight_hh = self.prefix_gru.weight_hh_l0
+        weight_ih, weight_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
         down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
         hidden_size = down.shape[1] - weight_hh.shape[1]
         state_weight = self._derived("state_weight", (weight_hh, down), lambda: torch.cat([weight_hh, down[:, hidden_size:]]))
@@ -594,7 +594,6 @@ class DominoDraftModel(PreTrainedModel):
             name = f"up_columns_{logits_dtype}"
             up_columns = self._derived(name, (up,), lambda: up.t().to(logits_dtype).contiguous())  # [R, V]
         gate_table = self._gru_input_table(embed_tokens)
-        weight_ih = self.prefix_gru.weight_ih_l0
         return DominoHeadWeights(weight_ih, embed_tokens, gate_table, state_weight, down, up, up_columns)
 
     def _head_loop(
@@ -626,14 +625,17 @@ class DominoDraftModel(PreTrainedModel):
             tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(base_logits.shape[1])))
             return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
         if choose is None and not whole_vocabulary:
-            weights = self._head_weights(embed_tokens, base_logits.dtype, self.config.head_candidate_pool)
-            return greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *self._greedy_head_options())
+            arguments = self._greedy_head_arguments(embed_tokens, base_logits.dtype)
+            return greedy_head(base_logits, draft_hidden, anchor_embeds, *arguments)
         weights = self._head_weights(embed_tokens, base_logits.dtype, pool_size=0)
         block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights)
         return head_slot_loop(base_logits, block, weights, self.config.pure_draft_prefix_len, choose)
 
-    def _greedy_head_options(self) -> tuple[int, int, bool]:
-        """`greedy_head`'s `(first_corrected, pool_size, fused_step)` from the config, checked against this machine."""
+    def _greedy_head_arguments(
+        self, embed_tokens: nn.Module, logits_dtype: torch.dtype
+    ) -> tuple[DominoHeadWeights, int, int, bool]:
+        """`greedy_head`'s `(weights, first_corrected, pool_size, fused_step)`: the options from the config, checked
+        first (against this machine too), then the weights for its candidate pool."""
         config = self.config
         config.check_inference_options()
         if config.fused_head_step:
@@ -644,7 +646,8 @@ class DominoDraftModel(PreTrainedModel):
                     f"{'installed' if triton_available() else 'not installed'}; set "
                     "config.fused_head_step = False there."
                 )
-        return config.pure_draft_prefix_len, config.head_candidate_pool, config.fused_head_step
+        weights = self._head_weights(embed_tokens, logits_dtype, config.head_candidate_pool)
+        return weights, config.pure_draft_prefix_len, config.head_candidate_pool, config.fused_head_step
 
     def _greedy_head(
         self,
@@ -657,8 +660,8 @@ class DominoDraftModel(PreTrainedModel):
         compiled = self.__dict__.get("_compiled_drafting")
         if compiled is None or not self.config.use_domino_head or torch.is_grad_enabled():
             return self._head_loop(base_logits, draft_hidden, anchor_embeds, embed_tokens)
-        weights = self._head_weights(embed_tokens, base_logits.dtype, self.config.head_candidate_pool)
-        return compiled.greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *self._greedy_head_options())
+        arguments = self._greedy_head_arguments(embed_tokens, base_logits.dtype)
+        return compiled.greedy_head(base_logits, draft_hidden, anchor_embeds, *arguments)
 
     # ------------------------------------------------------------------ compiled drafting
 
