@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel
+from transformers import DynamicCache, DynamicLayer, LogitsProcessorList, PreTrainedModel
 
 from ..modeling_domino import DominoContextCache
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
@@ -263,12 +263,13 @@ def speculative_generate(
     clock = _Clock(input_ids.device)
     start = clock()
     record = _Record(input_ids.shape[0], setup, pad_token_id, input_ids.device)
-    cache, draft_cache = _new_target_cache(target), DominoContextCache()
+    cache, draft_cache = _new_target_cache(target, input_ids.shape[0], draft is not None), DominoContextCache()
     if streamer is not None:
         streamer.put(input_ids.cpu())
     rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
     finished = torch.isin(rows.anchor, setup.eos) | (rows.num_generated >= max_new_tokens)
     rows = _drop_finished(rows, finished, cache, draft_cache)
+    _crop_invalid_tail(rows, cache)
     prefill_time = clock() - start
 
     while rows.index.numel() > 0:
@@ -326,10 +327,26 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
     return setup, pad_token_id
 
 
-def _new_target_cache(target: PreTrainedModel) -> DynamicCache:
+def _new_target_cache(target: PreTrainedModel, batch_size: int, has_draft: bool) -> DynamicCache:
+    """The target's cache, checked against what a batch does to it: finished rows leave it (`batch_select_indices`)
+    and, with a draft, rejected drafts stay in it as masked holes (only a full-attention `DynamicLayer` ignores
+    them)."""
     cache = DynamicCache(config=target.config)
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()  # sliding-window layers can then be cropped back after a verify pass
+    for layer in cache.layers if batch_size > 1 else []:
+        if has_draft and type(layer) is not DynamicLayer:
+            problem = ("would give wrong tokens: a row's rejected drafts stay in them as masked holes, which a sliding "
+                       "window counts as tokens and a recurrent state has already absorbed")
+        elif not hasattr(layer, "batch_select_indices"):
+            problem = "cannot drop the rows that finish early"
+        else:
+            continue
+        raise ValueError(
+            f"Batched decoding of {type(target).__name__} is not supported: its {type(layer).__name__} cache layers "
+            f"(sliding-window or recurrent attention) {problem}. Decode one prompt at a "
+            "time (batch size 1)" + (", or use `target.generate(..., assistant_model=draft)`." if has_draft else ".")
+        )
     return cache
 
 
@@ -451,9 +468,9 @@ def _crop_invalid_tail(rows: _Rows, cache) -> None:
     num_invalid = int(invalid_everywhere.flip(0).long().cumprod(0).sum())  # trailing slots invalid in every row
     if rows.features is not None:
         num_invalid = min(num_invalid, rows.features.shape[1])
+    cache.crop(-num_invalid)  # even when 0: it trims sliding-window layers back to their window
     if num_invalid == 0:
         return
-    cache.crop(-num_invalid)
     rows.slot_mask = rows.slot_mask[:, :-num_invalid]
     if rows.features is not None:
         keep = rows.features.shape[1] - num_invalid

@@ -211,3 +211,80 @@ def test_native_batch_rows_equal_prompts_decoded_alone(setup, which):
     if which == "random":
         assert len({tuple(lengths) for lengths in output.acceptance_lengths}) > 1
 
+
+
+SLIDING_WINDOW = 6  # prompts and generations below run well past it
+
+
+def _sliding_window_target(family: str):
+    overrides = dict(sliding_window=SLIDING_WINDOW)
+    if family == "qwen2":
+        overrides.update(use_sliding_window=True, max_window_layers=0)  # every layer slides
+    return tiny_target(family, dtype=torch.float64, **overrides)  # gemma3: sliding layers between full ones
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_native_sliding_window_target_one_prompt_at_a_time(family):
+    """Crops by a negative count roll a sliding window back past its edge; the window is trimmed after every
+    round (plain decoding included), and the tokens stay the target's own."""
+    target = _sliding_window_target(family)
+    oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                     gru_hidden_dim=8, emb_dim=8).eval()
+    longest_window = []  # stored slots of the sliding layers before each target forward
+
+    def record(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        lengths = [layer.keys.shape[-2] for layer in cache.layers if layer.is_sliding and layer.is_initialized]
+        longest_window.append(max(lengths, default=0))
+
+    handle = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        for prompt in random_prompts(8, seed=7, min_length=2, max_length=9):
+            attention_mask = torch.ones_like(prompt)
+            expected = target.generate(prompt, attention_mask=attention_mask, max_new_tokens=20, do_sample=False)
+            greedy_sequence = target.generate(prompt, attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+            oracle.set_sequences([greedy_sequence[0].tolist()])
+            for draft in [None, tiny_draft(target), oracle]:
+                longest_window.clear()
+                output = speculative_generate(target, draft, prompt, max_new_tokens=20)
+                assert torch.equal(output.sequences, expected), f"{family}, draft {type(draft).__name__}"
+                assert max(longest_window) <= SLIDING_WINDOW - 1, f"sliding layers kept {max(longest_window)} slots"
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_native_batch_refuses_sliding_window_target(family):
+    """Rejected drafts stay in a row's cache as masked holes, and a sliding window counts them: refused, while
+    batched plain decoding (no holes) still matches each prompt decoded alone."""
+    target = _sliding_window_target(family)
+    prompts = random_prompts(3, seed=8, min_length=2, max_length=9)
+    input_ids, attention_mask = left_pad(prompts, pad_token_id=127)
+    with pytest.raises(ValueError, match="SlidingWindowLayer cache layers .*batch size 1"):
+        speculative_generate(target, tiny_draft(target), input_ids, attention_mask, max_new_tokens=12)
+    output = speculative_generate(target, None, input_ids, attention_mask, max_new_tokens=12)
+    width = input_ids.shape[1]
+    for row, prompt in enumerate(prompts):
+        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
+        num_new = expected.shape[1] - prompt.shape[1]
+        assert output.num_new_tokens[row] == num_new, f"row {row}"
+        assert torch.equal(output.sequences[row, width : width + num_new], expected[0, prompt.shape[1] :]), f"row {row}"
+
+
+def test_native_batch_refuses_recurrent_target():
+    """A linear-attention state has absorbed a row's rejected drafts, and finished rows cannot leave it."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"] * 2,
+    )
+    target = Qwen3NextForCausalLM(config).eval()
+    input_ids, attention_mask = left_pad(random_prompts(2, seed=9, max_length=9), pad_token_id=127)
+    with pytest.raises(ValueError, match="LinearAttentionLayer cache layers .*wrong tokens.*batch size 1"):
+        speculative_generate(target, tiny_draft(target), input_ids, attention_mask, max_new_tokens=8)
+    with pytest.raises(ValueError, match="LinearAttentionLayer cache layers .*finish early.*batch size 1"):
+        speculative_generate(target, None, input_ids, attention_mask, max_new_tokens=8)
