@@ -533,11 +533,18 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerun
 
 def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny_target_dir):
     command, output = _tiny_train_command(tmp_path, tiny_target_dir)
-    process = _started_training(command, stderr=subprocess.PIPE)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    assert "rerun the same command to resume" in stderr
+    process = _started_training(command + ["--dataloader_num_workers", "1"], stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    # As a scheduler stops a job: every process of the group, the DataLoader worker included; and the training
+    # process once more while it saves (a launcher forwards the SIGTERM it got to workers that got it already).
+    os.killpg(process.pid, signal.SIGTERM)
+    for line in process.stdout:
+        if "SIGTERM: saving a checkpoint" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    log, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, log[-2000:]
+    assert "rerun the same command to resume" in log
     (checkpoint,) = [path for path in output.iterdir() if path.name.startswith("checkpoint-")]
     stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
     assert 1 <= stopped_at < 100000 and not (output / "model.safetensors").exists()  # a checkpoint, not a final draft

@@ -1,5 +1,6 @@
 """DominoTrainer: `transformers.Trainer` with a frozen target (features online or from a store) and the Domino loss."""
 
+import functools
 import logging
 import signal
 import threading
@@ -48,8 +49,10 @@ class DominoTrainingArguments(TrainingArguments):
 class StopOnSignal(TrainerCallback):
     """SIGTERM (a scheduler's stop) or Ctrl-C during training: save a checkpoint at the end of the current step and
     stop, so that rerunning the same command resumes there (`domino-spec train` resumes from the last checkpoint).
-    A second Ctrl-C interrupts at once. With several processes, all stop at the same step, whichever got the signal;
-    `received` then names it in every process."""
+    A second Ctrl-C interrupts at once; a second SIGTERM is the same request (a launcher forwards the job's SIGTERM to
+    workers that got it already), and DataLoader workers ignore both, leaving the stop to the training process.
+    With several processes, all stop at the same step, whichever got the signal; `received` then names it in every
+    process."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -59,7 +62,8 @@ class StopOnSignal(TrainerCallback):
 
     def _receive(self, number, frame) -> None:
         self.received = signal.Signals(number)
-        signal.signal(number, self._previous_handlers[number])
+        if number == signal.SIGINT:
+            signal.signal(number, self._previous_handlers[number])
 
     def on_train_begin(self, args, state, control, **kwargs):
         if threading.current_thread() is threading.main_thread():  # Python sets signal handlers there only
@@ -84,6 +88,15 @@ class StopOnSignal(TrainerCallback):
         self._previous_handlers = {}
 
 
+def _ignore_stop_signals(worker_init_fn, worker_id: int) -> None:
+    """A DataLoader worker's start: a signal sent to the whole process group (scheduler, Ctrl-C) is the training
+    process's to handle; a worker killed by it would crash the step that should save the checkpoint."""
+    for number in StopOnSignal.SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    if worker_init_fn is not None:
+        worker_init_fn(worker_id)
+
+
 class DominoTrainer(Trainer):
     """Trains a `DominoDraftModel` (`model`) against a frozen `target`.
 
@@ -104,6 +117,12 @@ class DominoTrainer(Trainer):
         self._metric_count = 0
         self.stop_on_signal = StopOnSignal()
         self.add_callback(self.stop_on_signal)
+
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        loader = getattr(dataloader, "base_dataloader", dataloader)  # the torch DataLoader inside accelerate's wrapper
+        loader.worker_init_fn = functools.partial(_ignore_stop_signals, loader.worker_init_fn)
+        return dataloader
 
     def current_lambda(self) -> float:
         return curriculum_lambda(
