@@ -361,6 +361,23 @@ def test_train_arguments_from_yaml_and_command_line(tmp_path):
     assert training_args.lr_scheduler_type == "cosine" and training_args.lambda_start == 1.0  # recipe defaults
 
 
+def test_resuming_picks_the_highest_complete_checkpoint(tmp_path, capsys):
+    from domino_spec.training.cli import checkpoint_to_resume
+
+    argv = ["--target", "t", "--data", "d", "--output", str(tmp_path)]
+    assert checkpoint_to_resume(parse_train_arguments(argv)[1]) is None  # nothing to resume yet
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        checkpoint_to_resume(parse_train_arguments(argv + ["--resume_from_checkpoint", "true"])[1])
+    for step in (2, 10, 12):  # 10 after 2 in step order, not in name order; 12 cut short
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if step != 12:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    for flags in ([], ["--resume_from_checkpoint", "true"]):
+        assert checkpoint_to_resume(parse_train_arguments(argv + flags)[1]) == str(tmp_path / "checkpoint-10")
+        assert f"skipping {tmp_path / 'checkpoint-12'}: incomplete" in capsys.readouterr().err
+    assert checkpoint_to_resume(parse_train_arguments(argv + ["--restart", "true"])[1]) is None
+
+
 def test_training_arguments_the_domino_loss_cannot_honour_are_refused():
     with pytest.raises(ValueError, match="no label smoothing"):
         parse_train_arguments(["--target", "t", "--data", "d", "--label_smoothing_factor", "0.1"])
@@ -548,11 +565,13 @@ def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny
     (checkpoint,) = [path for path in output.iterdir() if path.name.startswith("checkpoint-")]
     stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
     assert 1 <= stopped_at < 100000 and not (output / "model.safetensors").exists()  # a checkpoint, not a final draft
+    cut_short = output / f"checkpoint-{stopped_at + 1}"  # as a kill in the middle of a later save leaves it
+    shutil.copytree(checkpoint, cut_short, ignore=shutil.ignore_patterns("trainer_state.json"))
 
     result = _run(command + ["--max_steps", str(stopped_at + 2), "--save_strategy", "steps", "--save_steps", "1"],
                   env=TRAINING_ENVIRONMENT)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"resuming from {checkpoint}" in result.stdout
+    assert f"resuming from {checkpoint}" in result.stdout and f"skipping {cut_short}: incomplete" in result.stderr
     final = json.loads((output / f"checkpoint-{stopped_at + 2}" / "trainer_state.json").read_text())
     assert final["global_step"] == stopped_at + 2 and (output / "model.safetensors").exists()
     assert result.stdout.count("'loss'") == 2  # the two steps after the checkpoint, not a run from step 0

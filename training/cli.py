@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
 
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DominoDraftModel
@@ -243,15 +243,18 @@ def load_target_and_data(draft_args: DraftArguments):
     return target, tokenizer, dataset
 
 
-def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | bool | None:
+def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
     """`--resume_from_checkpoint` (a folder, or `true`: the last in output_dir); without it the last checkpoint in
     output_dir, so that rerunning an interrupted command continues it, unless `--restart`."""
     chosen = training_args.resume_from_checkpoint
+    if chosen is not None and chosen.lower() not in ("true", "last"):
+        return chosen
+    last = last_complete_checkpoint(training_args.output_dir)
     if chosen is not None:
-        return True if chosen.lower() in ("true", "last") else chosen
-    if not os.path.isdir(training_args.output_dir):
-        return None
-    last = get_last_checkpoint(training_args.output_dir)
+        if last is None:
+            raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: no complete checkpoint in "
+                                    f"{training_args.output_dir}")  # fmt: skip
+        return last
     if last is not None and training_args.restart:
         print(f"--restart: starting over, but {last} of an earlier run stays, and a rerun without --restart would "
               "resume from the highest step; use another --output to keep the runs apart", file=sys.stderr)  # fmt: skip
@@ -259,6 +262,21 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | bool |
     if last is not None:
         print(f"resuming from {last} (--restart starts over)")
     return last
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The highest-step `checkpoint-N` folder of `output_dir` that Trainer finished writing (`trainer_state.json`
+    comes last). A newer, incomplete one (a save cut short by a kill) is skipped with a warning and left in place."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = {int(name.removeprefix("checkpoint-")): name for name in os.listdir(output_dir)
+             if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit()}  # fmt: skip
+    for step in sorted(steps, reverse=True):
+        folder = os.path.join(output_dir, steps[step])
+        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+            return folder
+        print(f"skipping {folder}: incomplete (no {TRAINER_STATE_NAME}; its save was cut short)", file=sys.stderr)
+    return None
 
 
 def cache_features(argv: list[str]) -> None:
