@@ -595,6 +595,38 @@ def test_feature_store_refuses_features_beyond_fp16(tmp_path):
         FeatureStore.build(target, load_training_dataset(str(tmp_path / "d.jsonl")), [1, 3], str(tmp_path / "store"))
 
 
+def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_store(tmp_path, tiny_target_dir, capsys):
+    from domino_spec.training.cli import main
+
+    def records(first: int) -> list[dict]:
+        return [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
+                for i in range(first, first + 4)]  # fmt: skip
+
+    _write_jsonl(tmp_path / "data.jsonl", records(0))
+    _write_jsonl(tmp_path / "held_out.jsonl", records(50))  # its indices are the store's, its tokens not
+    flags = ["--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--draft_layers", "1"]
+    flags += ["--block_size", "4", "--num_anchors", "4", "--report_to", "none", "--disable_tqdm", "true"]
+    with pytest.raises(ValueError, match="--eval_strategy steps needs held-out data: add --eval_data"):
+        main(["train", *flags, "--output", str(tmp_path / "o"), "--eval_strategy", "steps"])
+    main(["cache-features", *flags, "--output", str(tmp_path / "features")])
+    flags += ["--features", str(tmp_path / "features"), "--eval_data", str(tmp_path / "held_out.jsonl")]
+    main(["train", *flags, "--output", str(tmp_path / "draft"), "--max_steps", "4", "--eval_strategy", "steps",
+          "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "4"])  # fmt: skip
+    history = json.loads((tmp_path / "draft" / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    evaluations = [entry for entry in history if "eval_loss" in entry]
+    assert [entry["step"] for entry in evaluations] == [2, 4]
+    for entry in evaluations:  # the training loss and its metrics, at the lambda of the step
+        assert entry["eval_lam"] == curriculum_lambda(entry["step"], 4)
+        mixed = entry["eval_lam"] * entry["eval_loss_base"] + (1 - entry["eval_lam"]) * entry["eval_loss_final"]
+        assert abs(entry["eval_loss"] - mixed) < 1e-3 and entry["eval_acceptance_final"] >= 1, entry
+
+    capsys.readouterr()
+    main(["train", *flags, "--output", str(tmp_path / "draft_scored_after"), "--max_steps", "1"])
+    out = capsys.readouterr().out
+    scores = json.loads(out[out.rindex('{\n  "eval"') :])["eval"]
+    assert scores["eval_lam"] == 0 and scores["eval_loss"] > 0  # once, after the last step
+
+
 def test_hooked_features_equal_output_hidden_states(family):
     """What training taps is what inference reads, the last layer included (transformers normalizes that one)."""
     from domino_spec.training.features import target_hidden_states

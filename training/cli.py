@@ -124,6 +124,13 @@ class DraftArguments:
     features: str | None = field(
         default=None, metadata={"help": "Folder of precomputed target features (domino-spec cache-features)."}
     )
+    eval_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "Held-out regenerated .jsonl, scored (eval_loss, eval_acceptance_final, ...) per --eval_strategy, "
+            "or once after training when that is 'no'."
+        },
+    )
 
 
 def draft_shape(draft_args: DraftArguments) -> dict:
@@ -204,8 +211,11 @@ def train(argv: list[str]) -> None:
     from .trainer import DominoTrainer
 
     draft_args, training_args = parse_train_arguments(argv)
+    if training_args.eval_strategy != "no" and not draft_args.eval_data:
+        raise ValueError(f"--eval_strategy {training_args.eval_strategy.value} needs held-out data: add --eval_data "
+                         "(a regenerated .jsonl, as --data).")  # fmt: skip
     set_seed(training_args.seed)
-    target, tokenizer, dataset = load_target_and_data(draft_args)
+    target, tokenizer, dataset, eval_dataset = load_target_and_data(draft_args)
     print(json.dumps({"data": summarize(dataset)}, indent=2))
     draft = build_draft(draft_args, target, tokenizer)
     feature_store = None
@@ -218,6 +228,7 @@ def train(argv: list[str]) -> None:
         target=target,
         args=training_args,
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
     )
     trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
@@ -228,19 +239,33 @@ def train(argv: list[str]) -> None:
         raise SystemExit(128 + stopped_by.value)
     trainer.save_model(training_args.output_dir)
     print(f"saved the draft to {training_args.output_dir}")
+    if eval_dataset is not None and training_args.eval_strategy == "no":
+        print(json.dumps({"eval": trainer.evaluate()}, indent=2))
 
 
 def load_target_and_data(draft_args: DraftArguments):
-    """`(target, tokenizer, dataset)` of `train` and `cache-features`, the data checked against the target."""
+    """`(target, tokenizer, dataset, eval_dataset)` of `train` and `cache-features`, the data checked against the
+    target; `eval_dataset` is None without `--eval_data`."""
+    for flag, path in (("--data", draft_args.data), ("--eval_data", draft_args.eval_data)):
+        if path and not os.path.exists(path):
+            raise FileNotFoundError(f"{flag} {path}: no such file (make one with `domino-spec generate-data`)")
+    target, tokenizer = load_target(draft_args.target)
+    dataset = load_checked_data(draft_args.data, target, tokenizer, draft_args.max_length)
+    eval_dataset = None
+    if draft_args.eval_data:  # without `index`: a feature store holds the training data only
+        eval_dataset = load_checked_data(draft_args.eval_data, target, tokenizer, draft_args.max_length)
+        eval_dataset = eval_dataset.remove_columns("index")
+    return target, tokenizer, dataset, eval_dataset
+
+
+def load_checked_data(path: str, target, tokenizer, max_length: int):
+    """The training examples of a regenerated .jsonl, checked to be tokenized for `target`."""
     from .data import check_regenerated_by, check_vocabulary, load_training_dataset
 
-    if not os.path.exists(draft_args.data):
-        raise FileNotFoundError(f"--data {draft_args.data}: no such file (make one with `domino-spec generate-data`)")
-    target, tokenizer = load_target(draft_args.target)
-    check_regenerated_by(draft_args.data, target, tokenizer)
-    dataset = load_training_dataset(draft_args.data, max_length=draft_args.max_length)
-    check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], draft_args.data)
-    return target, tokenizer, dataset
+    check_regenerated_by(path, target, tokenizer)
+    dataset = load_training_dataset(path, max_length=max_length)
+    check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], path)
+    return dataset
 
 
 def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
@@ -288,7 +313,7 @@ def cache_features(argv: list[str]) -> None:
     from .features import FeatureStore
 
     draft_args, training_args = parse_train_arguments(argv)
-    target, tokenizer, dataset = load_target_and_data(draft_args)
+    target, tokenizer, dataset, _ = load_target_and_data(draft_args)
     if draft_args.init_from:
         layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids
     else:  # the config alone: no draft weights to build

@@ -33,7 +33,8 @@ class DominoDataCollator:
     """Pads `input_ids`/`loss_mask` examples on the right and samples `num_anchors` anchors per sequence.
 
     With a `feature_store`, each example's precomputed target features (looked up by its `index`) come along as
-    `target_hidden`, so the trainer skips the target pass.
+    `target_hidden`, so the trainer skips the target pass. Examples without an `index` (held-out data, which the
+    store does not hold) come without: the trainer computes theirs.
     """
 
     pad_token_id: int
@@ -56,7 +57,7 @@ class DominoDataCollator:
             "loss_mask": loss_mask,
             "anchor_positions": sample_anchors(loss_mask, self.num_anchors),
         }
-        if self.feature_store is not None:
+        if self.feature_store is not None and "index" in examples[0]:
             features = torch.zeros(len(examples), length, self.feature_store.width)
             for row, example in enumerate(examples):
                 stored = self.feature_store[example["index"]]

@@ -88,6 +88,29 @@ class StopOnSignal(TrainerCallback):
         self._previous_handlers = {}
 
 
+class MetricMeans:
+    """Per-batch metrics summed since the last `pop_means`, which averages them over batches and processes."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.count += 1
+
+    def pop_means(self, accelerator, device) -> dict[str, float]:
+        """The means, reset after; every process must call it (an all-reduce), and all must have added batches."""
+        if not self.count:
+            return {}
+        names = sorted(self.sums)
+        means = torch.tensor([self.sums[name] / self.count for name in names], device=device)
+        means = accelerator.reduce(means, reduction="mean")
+        self.sums, self.count = {}, 0
+        return {name: round(value, 4) for name, value in zip(names, means.tolist())}
+
+
 def _ignore_stop_signals(worker_init_fn, worker_id: int) -> None:
     """A DataLoader worker's start: a signal sent to the whole process group (scheduler, Ctrl-C) is the training
     process's to handle; a worker killed by it would crash the step that should save the checkpoint."""
@@ -113,8 +136,7 @@ class DominoTrainer(Trainer):
         model.check_target(target)
         super().__init__(model=model, args=args, **kwargs)
         self.target = target.to(self.args.device).eval().requires_grad_(False)
-        self._metric_sums: dict[str, float] = {}
-        self._metric_count = 0
+        self._train_metrics, self._eval_metrics = MetricMeans(), MetricMeans()
         self.stop_on_signal = StopOnSignal()
         self.add_callback(self.stop_on_signal)
 
@@ -153,20 +175,30 @@ class DominoTrainer(Trainer):
         loss, metrics = domino_loss(
             outputs.logits, outputs.base_logits, labels, self.current_lambda(), self.args.loss_gamma
         )
-        if model.training:
-            for name, value in metrics.items():
-                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
-            self._metric_count += 1
+        (self._train_metrics if model.training else self._eval_metrics).add(metrics)
         return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation scores the training loss (its metrics go to `evaluation_loop`); the draft has no predictions
+        or labels for Trainer to gather."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
+        """Trainer's loop (`eval_loss`), plus the Domino metrics of the evaluated batches: `eval_loss_base`,
+        `eval_acceptance_final`, ..."""
+        self._eval_metrics = MetricMeans()
+        output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
+        means = self._eval_metrics.pop_means(self.accelerator, self.args.device)
+        output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in means.items()})
+        return output
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Adds the Domino metrics, averaged since the last log and over processes (as the loss), to the logs."""
-        if self._metric_count and "loss" in logs:  # every process logs the loss: all reduce together
-            names = sorted(self._metric_sums)
-            means = [self._metric_sums[name] / self._metric_count for name in names]
-            means = self.accelerator.reduce(torch.tensor(means, device=self.args.device), reduction="mean")
-            logs.update({name: round(value, 4) for name, value in zip(names, means.tolist())})
-            self._metric_sums, self._metric_count = {}, 0
+        if "loss" in logs:  # every process logs the loss: all reduce together
+            logs.update(self._train_metrics.pop_means(self.accelerator, self.args.device))
         super().log(logs, *args, **kwargs)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
