@@ -319,6 +319,18 @@ def test_training_dataset_masks_response_and_drops_duplicates(tmp_path):
         check_vocabulary(dataset, vocab_size=6, data_path="d.jsonl")
 
 
+def test_training_data_that_trains_nothing_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl is empty: make training data with `domino-spec generate-data`"):
+        load_training_dataset(str(tmp_path / "empty.jsonl"))
+    _write_jsonl(tmp_path / "prompts.jsonl", [{"id": "a", "prompt": "hello"}])
+    with pytest.raises(ValueError, match="no prompt_ids or response_ids field .* `domino-spec generate-data`"):
+        load_training_dataset(str(tmp_path / "prompts.jsonl"))
+    _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}])
+    with pytest.raises(ValueError, match="none of its 1 records is kept: .* max_length=4"):
+        load_training_dataset(str(tmp_path / "d.jsonl"), max_length=4)
+
+
 def test_data_of_another_tokenizer_is_refused_even_where_its_ids_fit(tmp_path):
     from domino_spec.training.data import check_regenerated_by
 

@@ -294,7 +294,15 @@ def load_training_dataset(path: str, max_length: int = 3072, min_response_tokens
     """
     import datasets
 
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is empty: make training data with `domino-spec generate-data`.")
     raw = datasets.load_dataset("json", data_files=path, split="train")
+    missing = {"prompt_ids", "response_ids"} - set(raw.column_names)
+    if missing:
+        raise ValueError(
+            f"{path} has no {' or '.join(sorted(missing))} field (it has {', '.join(raw.column_names)}): training "
+            "reads regenerated records; make them from prompts with `domino-spec generate-data`."
+        )
     seen: set[str] = set()
 
     def keep(record) -> bool:
@@ -313,6 +321,11 @@ def load_training_dataset(path: str, max_length: int = 3072, min_response_tokens
         return {"input_ids": input_ids, "loss_mask": loss_mask, "index": index}
 
     filtered = raw.filter(keep)
+    if len(filtered) == 0:
+        raise ValueError(
+            f"{path}: none of its {len(raw)} records is kept: each needs a response of at least {min_response_tokens} "
+            f"tokens within max_length={max_length} tokens, prompt included (duplicates count once)."
+        )
     return filtered.map(to_example, with_indices=True, remove_columns=filtered.column_names)
 
 
