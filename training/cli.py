@@ -206,7 +206,7 @@ def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTraini
 
 def train(argv: list[str]) -> None:
     from .collator import DominoDataCollator
-    from .data import summarize
+    from .data import generation_settings, summarize
     from .features import FeatureStore
     from .trainer import DominoTrainer
 
@@ -216,7 +216,8 @@ def train(argv: list[str]) -> None:
                          "(a regenerated .jsonl, as --data).")  # fmt: skip
     set_seed(training_args.seed)
     target, tokenizer, dataset, eval_dataset = load_target_and_data(draft_args)
-    print(json.dumps({"data": summarize(dataset)}, indent=2))
+    data_summary = {**summarize(dataset), "generation": generation_settings(draft_args.data)}
+    print(json.dumps({"data": data_summary}, indent=2))
     draft = build_draft(draft_args, target, tokenizer)
     feature_store = None
     if draft_args.features:
@@ -230,6 +231,7 @@ def train(argv: list[str]) -> None:
         train_dataset=dataset,
         eval_dataset=eval_dataset,
         data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
+        data_summary=data_summary,
     )
     trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
     stopped_by = trainer.stop_on_signal.received

@@ -357,6 +357,13 @@ def check_regenerated_by(data_path: str, target, tokenizer, samples: int = 32) -
             )
 
 
+def generation_settings(path: str) -> dict | None:
+    """How the records of `path` were regenerated (`temperature`, `thinking`, `max_new_tokens`), as a draft is trained
+    per mode; None for hand-made records, which do not say."""
+    generation = (_first_record(path) or {}).get("generation")
+    return None if generation is None else {key: value for key, value in generation.items() if key != "target"}
+
+
 def summarize(dataset) -> dict:
     """Counts and lengths of a training dataset, for the log and the model card."""
     lengths = [len(ids) for ids in dataset["input_ids"]]

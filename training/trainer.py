@@ -130,12 +130,14 @@ class DominoTrainer(Trainer):
     stops (`stop_on_signal.received` then names the signal).
     """
 
-    def __init__(self, model: PreTrainedModel, target: PreTrainedModel, args: DominoTrainingArguments, **kwargs):
+    def __init__(self, model: PreTrainedModel, target: PreTrainedModel, args: DominoTrainingArguments,
+                 data_summary: dict | None = None, **kwargs):  # fmt: skip
         if args.remove_unused_columns:
             raise ValueError("DominoTrainer needs remove_unused_columns=False (anchors and loss masks are inputs).")
         model.check_target(target)
         super().__init__(model=model, args=args, **kwargs)
         self.target = target.to(self.args.device).eval().requires_grad_(False)
+        self.data_summary = data_summary  # for the model card: `data.summarize`, with `generation_settings`
         self._train_metrics, self._eval_metrics = MetricMeans(), MetricMeans()
         self.stop_on_signal = StopOnSignal()
         self.add_callback(self.stop_on_signal)
@@ -208,6 +210,6 @@ class DominoTrainer(Trainer):
             return
         output_dir = output_dir or self.args.output_dir
         try:
-            write_model_card(output_dir, training=training_summary(self.args, self.state))
+            write_model_card(output_dir, training=training_summary(self.args, self.state, self.data_summary))
         except Exception as error:  # the weights are saved; a card problem must not stop a long run
             logger.warning("could not write the model card into %s: %s", output_dir, error)
