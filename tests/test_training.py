@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -64,6 +65,29 @@ def test_loss_interpolates_base_and_final():
     mixed, _ = domino_loss(final, base, labels, lam=0.25)
     assert loss_base.item() == pytest.approx(metrics["loss_base"])
     assert mixed.item() == pytest.approx(0.25 * loss_base.item() + 0.75 * loss_final.item(), rel=1e-5)
+
+
+def test_cross_entropy_weights_slots_by_exp_minus_k_over_gamma_normalised_per_sequence():
+    torch.manual_seed(0)
+    labels = torch.randint(0, 7, (2, 3, 4))
+    labels[0, 1, 2:] = IGNORE_INDEX  # a block cut by the end of its response
+    labels[1, 0] = IGNORE_INDEX
+    logits = torch.randn(2, 3, 4, 7)
+    gamma = 2.0
+    per_sequence = []
+    for sequence in range(2):
+        weighted_sum = weight_sum = 0.0
+        for block in range(3):
+            for slot in range(4):
+                label = int(labels[sequence, block, slot])
+                if label == IGNORE_INDEX:
+                    continue
+                nll = -torch.log_softmax(logits[sequence, block, slot], -1)[label].item()
+                weighted_sum += math.exp(-slot / gamma) * nll
+                weight_sum += math.exp(-slot / gamma)
+        per_sequence.append(weighted_sum / weight_sum)
+    loss, _ = domino_loss(logits, logits, labels, lam=1.0, gamma=gamma)
+    assert loss.item() == pytest.approx(sum(per_sequence) / 2, rel=1e-5)
 
 
 def test_anchors_lie_inside_the_response():
@@ -225,9 +249,38 @@ def test_tiny_draft_overfits_and_target_is_untouched(tmp_path):
     assert not any(name.startswith(("model.", "lm_head")) for name in trainer.model.state_dict())
 
 
+def test_trainer_follows_the_curriculum_and_its_loss_options(tmp_path):
+    target = tiny_target("llama")
+    examples = _random_examples(count=2, length=16, prompt_length=4)
+    trainer = _trainer(tmp_path, target, tiny_draft(target).float(), examples, num_anchors=4, max_steps=4,
+                       learning_rate=0.0)  # fmt: skip
+    trainer.train()
+    assert [entry["lam"] for entry in trainer.state.log_history if "lam" in entry] == [1.0, 0.75, 0.5, 0.25]
+
+    batch = DominoDataCollator(pad_token_id=0, num_anchors=4)(examples)
+    draft = tiny_draft(target).float().eval()
+
+    def loss_and_logits(**arguments) -> tuple[float, torch.Tensor]:  # at lambda 0: the final logits' loss alone
+        trainer = _trainer(tmp_path, target, draft, examples, num_anchors=4, lambda_start=0.0, **arguments)
+        with torch.no_grad():
+            loss, outputs = trainer.compute_loss(draft, batch, return_outputs=True)
+        return loss.item(), outputs.logits
+
+    features = _features(target, draft, batch["input_ids"])  # equal lengths: no padding to mask
+    outputs = _train_forward(draft, target, batch["input_ids"], features, batch["anchor_positions"])
+    labels = block_labels(batch["input_ids"], batch["loss_mask"], batch["anchor_positions"], outputs.logits.shape[2])
+    for gamma in (7.0, 0.5):
+        expected, _ = domino_loss(outputs.logits, outputs.base_logits, labels, lam=0.0, gamma=gamma)
+        assert loss_and_logits(loss_gamma=gamma)[0] == pytest.approx(expected.item(), rel=1e-5)
+    reading_predictions = _train_forward(draft, target, batch["input_ids"], features, batch["anchor_positions"],
+                                         head_reads_predictions=True).logits  # fmt: skip
+    assert not torch.allclose(reading_predictions, outputs.logits)
+    torch.testing.assert_close(loss_and_logits(training_time_test=True)[1], reading_predictions)
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     target = tiny_target("llama")
-    # Anchors = all candidate positions, so both runs train exactly the same blocks.
+    # The same seed draws the same anchors in both runs (row by row, in the same order): they train the same blocks.
     examples = _random_examples(count=2, length=12, prompt_length=4)
     examples[1]["input_ids"] = examples[1]["input_ids"][:10]  # different lengths: padding and per-sequence means
     examples[1]["loss_mask"] = examples[1]["loss_mask"][:10]
