@@ -111,6 +111,7 @@ def target_dir(name: str) -> str:
         raise ValueError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
     folder = os.path.join(CACHE_DIR, "targets", name)
     if os.path.exists(os.path.join(folder, "config.json")):
+        record_hub_id(folder, TARGETS[name].hub_id)  # folders converted before the field existed
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -123,11 +124,34 @@ def target_dir(name: str) -> str:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.name_or_path = name
     model.save_pretrained(folder + ".partial")
     tokenizer.save_pretrained(folder + ".partial")
+    record_hub_id(folder + ".partial", TARGETS[name].hub_id)
     os.replace(folder + ".partial", folder)
     return folder
+
+
+def record_hub_id(folder: str, hub_id: str) -> None:
+    """Record in the folder's `config.json` the Hub model it was converted from, as `converted_from`.
+
+    Loaded by path, the folder's `name_or_path` is the cache folder (`.../targets/smollm2-135m`); a draft built for
+    the Hub model compares its `target_model_name` with both names (`DominoDraftModel.check_target`), and a draft
+    trained on the folder records the Hub id, as model cards need.
+    """
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as file:
+        config = json.load(file)
+    if config.get("converted_from") == hub_id:
+        return
+    config["converted_from"] = hub_id
+    # Written aside and renamed: a reader never sees half a config.
+    try:
+        with open(path + ".partial", "w", encoding="utf-8") as file:
+            json.dump(config, file, indent=2, sort_keys=True)
+            file.write("\n")
+        os.replace(path + ".partial", path)
+    except OSError:  # a read-only shared cache: the folder still loads, drafts only warn of a name mismatch
+        pass
 
 
 def load_target(name: str, dtype: torch.dtype = torch.float32):

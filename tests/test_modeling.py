@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +19,10 @@ from conftest import tiny_draft, tiny_target
 from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from domino_spec import DominoConfig, DominoContextCache, DominoDraftModel
+from domino_spec.assets import record_hub_id
 from domino_spec.configuration_domino import default_target_layer_ids
 
 SEQUENCE_LENGTH = 24
@@ -411,6 +413,22 @@ def test_check_target_warns_of_a_same_shaped_target_of_another_name():
     draft.check_target(target)
     target.name_or_path = "Qwen/Qwen3-8B-Base"
     with pytest.warns(UserWarning, match="built for Qwen/Qwen3-8B, and the target is Qwen/Qwen3-8B-Base"):
+        draft.check_target(target)
+
+
+def test_check_target_knows_a_converted_folder_by_the_hub_id_it_records(tmp_path):
+    """A GGUF conversion is named after the asset (`targets/smollm2-135m`), not the Hub model it came from."""
+    folder = tmp_path / "targets" / "tiny"
+    tiny_target("qwen3").save_pretrained(folder)
+    record_hub_id(str(folder), "org/Tiny-Instruct")
+    target = AutoModelForCausalLM.from_pretrained(folder)
+    draft = tiny_draft(tiny_target("qwen3"), target_model_name="org/Tiny-Instruct")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        draft.check_target(target)
+    assert tiny_draft(target).config.target_model_name == "org/Tiny-Instruct"  # a draft trained on the folder
+    draft.config.target_model_name = "org/Tiny-Base"
+    with pytest.warns(UserWarning, match=r"built for org/Tiny-Base, and the target is .*targets/tiny"):
         draft.check_target(target)
 
 

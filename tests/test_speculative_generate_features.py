@@ -112,6 +112,8 @@ def test_generate_hook_is_idempotent_and_keeps_other_assistants(models):
     reference = target.generate(prompt, max_new_tokens=10, do_sample=False)
     output = target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=assistant)
     assert torch.equal(output, reference)
+    with pytest.raises(ValueError, match="different tokenizers"):  # transformers' own validation, unchanged
+        target.generate(prompt, max_new_tokens=10, assistant_model=tiny_target("qwen3", vocab_size=256))
 
 
 def test_static_cache_where_transformers_can_crop_it(models):
@@ -141,6 +143,10 @@ def test_hf_path_errors(models):
         target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, assistant_model=draft)
     other = tiny_target("qwen3", num_hidden_layers=4)
     with pytest.raises(ValueError, match="built for"):
+        other.generate(prompt, max_new_tokens=5, assistant_model=draft)
+    # Another vocabulary: the draft's own check, not transformers' "different tokenizers" of assistant validation.
+    other = tiny_target("qwen3", vocab_size=256)
+    with pytest.raises(ValueError, match=r"built for .* vocabulary of 256 rows \(draft expects 128\)"):
         other.generate(prompt, max_new_tokens=5, assistant_model=draft)
     # A cached prompt prefix, with which assisted decoding goes wrong (`cache` is `past_key_values` before 5.2x).
     cache_name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"

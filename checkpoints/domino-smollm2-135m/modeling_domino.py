@@ -295,6 +295,15 @@ def _model_name(name_or_path: str) -> str:
     return os.path.basename(name_or_path.rstrip("/")).lower()
 
 
+def _converted_from(target: PreTrainedModel) -> str | None:
+    """The Hub id a local conversion of `target` records in its config (`assets.target_dir` writes it), if any.
+
+    A folder converted from a GGUF file is named after the asset (`.../targets/smollm2-135m`), not the Hub model, so
+    its path alone does not tell that it is the model a draft was built for.
+    """
+    return getattr(target.config, "converted_from", None) or None
+
+
 class DominoDraftModel(PreTrainedModel):
     """Domino draft: DFlash backbone (`fc`, `hidden_norm`, `layers`, `norm`) and, when `config.use_domino_head`,
     the causal correction head (`prefix_gru`, `embed_proj`), under the published weight names.
@@ -411,7 +420,8 @@ class DominoDraftModel(PreTrainedModel):
             "block_size": block_size,
             "gru_hidden_dim": max(hidden_size // 4, 8),
             "emb_dim": max(hidden_size // 16, 8),
-            "target_model_name": getattr(target, "name_or_path", None) or None,
+            # The Hub id, where a local conversion records one: portable, and what model cards cite.
+            "target_model_name": _converted_from(target) or getattr(target, "name_or_path", None) or None,
         }
         fields.update(overrides)
         return DominoConfig(**fields)
@@ -434,7 +444,8 @@ class DominoDraftModel(PreTrainedModel):
         elif num_layers != config.num_target_layers:
             problems.append(f"{num_layers} layers (draft expects {config.num_target_layers})")
         built_for, target_name = config.target_model_name, getattr(target, "name_or_path", None)
-        if not problems and built_for and target_name and _model_name(built_for) != _model_name(target_name):
+        target_names = {_model_name(name) for name in (target_name, _converted_from(target)) if name}
+        if not problems and built_for and target_names and _model_name(built_for) not in target_names:
             warnings.warn(
                 f"This Domino draft was built for {built_for}, and the target is {target_name}: same shapes, but a "
                 "draft trained on another model's outputs (say, the base model of a chat model) drafts poorly. "
@@ -1036,6 +1047,7 @@ def install_generate_hook() -> bool:
     """
     original = GenerationMixin._get_candidate_generator
     if getattr(original, "_domino_hook", False):
+        _install_validation_hook()  # a copy of this file (trust_remote_code) may have installed the first hook only
         return True
     parameters = inspect.signature(original).parameters
     if not all(name in parameters for name in _HOOK_PARAMETERS):
@@ -1065,7 +1077,38 @@ def install_generate_hook() -> bool:
 
     _get_candidate_generator._domino_hook = True
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    _install_validation_hook()
     return True
+
+
+def _install_validation_hook() -> None:
+    """Run the assistant's own `check_target` before transformers rejects an assistant of another vocabulary.
+
+    `generate` validates assistants (`_validate_generation_mode`, 5.17 to 5.24) before building the candidate
+    generator, and takes another vocabulary size for another tokenizer ("universal assisted decoding"). A Domino
+    draft drafts with the target's own embeddings and LM head, so its `check_target` names the real mismatch. It runs
+    only where transformers would raise, so a draft's name warning is not given twice. Other assistants, and
+    transformers versions without this method, are left as they are.
+    """
+    original = getattr(GenerationMixin, "_validate_generation_mode", None)
+    if original is None or getattr(original, "_domino_hook", False):
+        return
+    if "generation_mode_kwargs" not in inspect.signature(original).parameters:
+        return
+
+    @functools.wraps(original)
+    def _validate_generation_mode(self, *args, **kwargs):
+        arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
+        assistant = (arguments.get("generation_mode_kwargs") or {}).get("assistant_model")
+        check_target = getattr(assistant, "check_target", None)
+        if callable(check_target) and hasattr(assistant, "get_candidate_generator"):
+            target_vocab_size = self.config.get_text_config().vocab_size
+            if target_vocab_size != assistant.config.get_text_config().vocab_size:
+                check_target(self)
+        return original(self, *args, **kwargs)
+
+    _validate_generation_mode._domino_hook = True
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
 
 
 install_generate_hook()
