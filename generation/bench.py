@@ -201,6 +201,17 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def quality_table(quality: dict) -> str:
+    """`report["quality"]` (`quality.score_report`) as markdown: plain's and the drafts' scores side by side, which
+    must agree for lossless decoding. Open-ended sets (MT-Bench) have no metric and show "-"."""
+    lines = ["| eval set | method | metric | score | outputs |", "|---|---|---|---|---|"]
+    for eval_set, scores_by_method in quality.items():
+        for method, scores in scores_by_method.items():
+            score = "-" if scores["score"] is None else f"{scores['score']:.3f}"
+            lines.append(f"| {eval_set} | {method} | {scores['metric'] or '-'} | {score} | {scores['count']} |")
+    return "\n".join(lines)
+
+
 def plot_acceptance(results: list[dict], path: str) -> None:
     """Acceptance-length histogram and per-position acceptance curve per method, one row of panels per eval set."""
     import matplotlib
@@ -229,7 +240,8 @@ def plot_acceptance(results: list[dict], path: str) -> None:
 
 
 def write_results(report: dict, output_dir: str) -> dict[str, str]:
-    """`bench_results.json`, `bench_results.md` and `bench_acceptance.png` in `output_dir`; returns their paths."""
+    """`bench_results.json`, `bench_results.md` (with a quality table after `bench --quality`) and
+    `bench_acceptance.png` in `output_dir`; returns their paths."""
     os.makedirs(output_dir, exist_ok=True)
     paths = {name: os.path.join(output_dir, f"bench_{name}") for name in ("results.json", "results.md", "acceptance.png")}
     with open(paths["results.json"], "w", encoding="utf-8") as file:
@@ -242,5 +254,7 @@ def write_results(report: dict, output_dir: str) -> dict[str, str]:
     )
     with open(paths["results.md"], "w", encoding="utf-8") as file:
         file.write(header + markdown_table(report["results"]) + "\n")
+        if report.get("quality"):  # `bench --quality`
+            file.write("\nQuality of the decoded outputs:\n\n" + quality_table(report["quality"]) + "\n")
     plot_acceptance(report["results"], paths["acceptance.png"])
     return paths

@@ -8,6 +8,7 @@ from speculative_helpers import OracleDraft
 
 from domino_spec.generation import speculative_generate
 from domino_spec.generation.bench import METHODS, prompt_token_ids, run_bench, write_results
+from domino_spec.generation.quality import score_report
 
 
 def test_bench_runs_every_method_and_writes_results(tmp_path):
@@ -33,8 +34,28 @@ def test_bench_runs_every_method_and_writes_results(tmp_path):
 
     paths = write_results(report, str(tmp_path))
     assert json.loads(open(paths["results.json"]).read())["results"] == report["results"]
-    assert "| set-a | domino |" in open(paths["results.md"]).read()
+    markdown = open(paths["results.md"]).read()
+    assert "| set-a | domino |" in markdown and "| metric | score |" not in markdown  # no --quality, no scores
     assert open(paths["acceptance.png"], "rb").read(4) == b"\x89PNG"
+
+
+def test_bench_results_show_the_quality_scores_of_bench_quality(tmp_path):
+    """`bench --quality` adds `score_report(report)` to the report; the markdown (also what bench prints) shows it."""
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = 1
+    prompts = {
+        "gsm-symbolic": [{"id": f"g{i}", "messages": [{"role": "user", "content": f"what is {i} + {i}?"}],
+                          "reference": str(2 * i)} for i in range(2)],  # fmt: skip
+        "mt-bench": [{"id": "m0", "messages": [{"role": "user", "content": "hello there"}], "reference": None}],
+    }
+    report = run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "domino"], 6)
+    report["quality"] = score_report(report)
+    markdown = open(write_results(report, str(tmp_path))["results.md"]).read()
+    assert "| eval set | method | metric | score | outputs |" in markdown
+    for method in ("plain", "domino"):
+        score = report["quality"]["gsm-symbolic"][method]["score"]
+        assert f"| gsm-symbolic | {method} | exact_match | {score:.3f} | 2 |" in markdown
+        assert f"| mt-bench | {method} | - | - | 1 |" in markdown  # open-ended: no metric
 
 
 def test_bench_compares_with_plain_in_any_method_order_and_pools_the_engines_position_counts():

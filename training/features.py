@@ -87,6 +87,7 @@ class FeatureStore:
             self.index = json.load(file)
         if not self.index.get("complete"):
             raise ValueError(f"the feature store in {directory} is incomplete: rerun `domino-spec cache-features` to finish it")
+        self.directory = directory
         self.layer_ids = self.index["layer_ids"]
         self.width = self.index["width"]
         self.offsets = self.index["offsets"]
@@ -100,17 +101,31 @@ class FeatureStore:
         return torch.from_numpy(np.array(self.features[self.offsets[example] : self.offsets[example + 1]]))
 
     def check(self, dataset, layer_ids: list[int], target) -> None:
-        """Raise `ValueError` unless this store was built by `target` from `dataset` with these tapped layers."""
+        """Raise `ValueError` unless this store was built by `target` from `dataset` with these tapped layers.
+
+        A rebuild goes into another folder: `build` refuses to overwrite a store that runs may have trained on.
+        """
         if list(layer_ids) != self.layer_ids:
-            raise ValueError(f"the feature store taps target layers {self.layer_ids}, the draft {list(layer_ids)}")
+            stored = ",".join(str(layer) for layer in self.layer_ids)
+            raise ValueError(
+                f"the feature store in {self.directory} taps target layers {self.layer_ids}, the draft "
+                f"{list(layer_ids)}: rebuild it with `domino-spec cache-features` and the same shape flags as train "
+                f"(or --init_from the draft), into another --output, or pass --target_layer_ids {stored} to train "
+                "(a fresh draft: not with --init_from)"
+            )
         if self.index["fingerprint"] != dataset_fingerprint(dataset):
-            raise ValueError("the feature store was built from other training data: rebuild it for this --data")
+            raise ValueError(
+                f"the feature store in {self.directory} was built from other training data: pass train the --data "
+                "it was built from, or rebuild it for this --data with `domino-spec cache-features`, into another "
+                "--output"
+            )
         if "target" not in self.index:
             logger.warning("the feature store predates target signatures: it cannot be checked against the target")
         elif self.index["target"] != target_signature(target):
             raise ValueError(
-                "the feature store was built by another target (or other weights of it): rebuild it with "
-                "`domino-spec cache-features --target` this target"
+                f"the feature store in {self.directory} was built by another target (or other weights of it): pass "
+                "train the --target it was built by, or rebuild it for this --target with "
+                "`domino-spec cache-features`, into another --output"
             )
 
     @staticmethod
@@ -120,12 +135,7 @@ class FeatureStore:
         index_path = os.path.join(directory, "index.json")
         identity = {"layer_ids": list(layer_ids), "fingerprint": dataset_fingerprint(dataset)}
         identity["target"] = target_signature(target)
-        index = {**identity, "offsets": [0], "complete": False}
-        if os.path.exists(index_path):
-            with open(index_path, encoding="utf-8") as file:
-                previous = json.load(file)
-            if all(previous.get(key) == value for key, value in identity.items()):
-                index = previous
+        index = _resumable_index(index_path, identity, directory)
         data_path = os.path.join(directory, "features.bin")
         done = len(index["offsets"]) - 1
         with open(data_path, "ab") as data:
@@ -148,6 +158,32 @@ class FeatureStore:
             _sync(data)
         _write_json(index_path, index)
         return FeatureStore(directory)
+
+
+def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:
+    """The index of a build of `identity`: the one in `index_path` when it is of the same store (to resume it),
+    else a fresh one. An index of another store raises `ValueError` rather than being overwritten: runs trained on
+    that store (`train --features`) check it when they resume, and would be refused."""
+    if not os.path.exists(index_path):
+        return {**identity, "offsets": [0], "complete": False}
+    with open(index_path, encoding="utf-8") as file:
+        previous = json.load(file)
+    differences = []
+    if previous.get("layer_ids") != identity["layer_ids"]:
+        differences.append(f"target layers {previous.get('layer_ids')}, not {identity['layer_ids']}")
+    if previous.get("fingerprint") != identity["fingerprint"]:
+        differences.append("other training data")
+    if "target" not in previous:
+        differences.append("an unrecorded target (it predates target signatures)")
+    elif previous["target"] != identity["target"]:
+        differences.append("another target (or other weights of it)")
+    if differences:
+        store = "a feature store" if previous.get("complete") else "an unfinished feature store"
+        raise ValueError(
+            f"{directory} holds {store} of {'; '.join(differences)}: building this one there would discard it, and "
+            f"runs trained on it could not resume; pass another --output, or delete {directory} if nothing uses it"
+        )
+    return previous
 
 
 def _sync(file) -> None:
