@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -550,6 +551,44 @@ def _started_training(command: list[str], **popen) -> subprocess.Popen:
     return process
 
 
+def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tmp_path, tiny_target_dir, capsys):
+    from domino_spec.training.cli import main
+
+    _write_jsonl(tmp_path / "data.jsonl", [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11],
+                                            "response_ids": list(range(20 + i, 34 + i))} for i in range(3)])  # fmt: skip
+    command = ["train", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--output",
+               str(tmp_path / "draft"), "--block_size", "4", "--num_anchors", "4", "--max_steps", "2",
+               "--save_strategy", "steps", "--save_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
+    main(command + ["--draft_layers", "1"])
+    with pytest.raises(ValueError, match=r"flags ask for another draft: num_hidden_layers=2 \(the checkpoint has 1\)"):
+        main(command + ["--draft_layers", "2"])
+    capsys.readouterr()
+    main(command + ["--draft_layers", "1"])
+    out = capsys.readouterr().out
+    assert "already holds the draft of a finished run" in out and "'loss'" not in out
+    assert not (tmp_path / "draft" / "checkpoint-3").exists()
+
+
+def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
+    from domino_spec.training.cli import main
+
+    result = _run([DOMINO_SPEC, "export", "--format", "sglang", str(tmp_path / "runs" / "typo"), str(tmp_path / "o")])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"domino-spec export: error: {tmp_path / 'runs' / 'typo'}: no such folder, so it is not a draft folder. "
+        "(DOMINO_SPEC_TRACEBACK=1 shows where)"
+    ]
+    result = _run([DOMINO_SPEC, "trian"])
+    assert result.returncode == 2 and "unknown command 'trian' (did you mean train?)" in result.stderr
+    draft_dir = tmp_path / "draft_with_head"
+    tiny_draft(tiny_target("llama")).save_pretrained(draft_dir)
+    with pytest.raises(ValueError, match="--dflash .* has a Domino head"):
+        main(["bench", "--dflash", str(draft_dir), "--methods", "dflash"])
+    with pytest.raises(FileNotFoundError, match="--init_from .*missing: no such folder"):
+        (tmp_path / "data.jsonl").write_text("")
+        main(["train", "--target", "t", "--data", str(tmp_path / "data.jsonl"), "--init_from", str(tmp_path / "missing")])
+
+
 def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):
     prompts = [{"id": f"p{i}", "prompt": f"question number {i}?"} for i in range(12)]
     _write_jsonl(tmp_path / "prompts.jsonl", prompts)
@@ -733,7 +772,7 @@ def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
     draft = tiny_draft(target).float()
     store_dir = str(tmp_path / "store")
     store = FeatureStore.build(target, dataset.select(range(3)), draft.config.target_layer_ids, store_dir)
-    with pytest.raises(ValueError, match="other training data"):
+    with pytest.raises(ValueError, match="other training data: pass train the --data it was built from, or rebuild"):
         store.check(dataset, draft.config.target_layer_ids, target)
     # An interrupted build of the full set resumes after the examples already written.
     index = json.loads((tmp_path / "store" / "index.json").read_text())
@@ -743,9 +782,11 @@ def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
     store = FeatureStore.build(target, dataset, draft.config.target_layer_ids, store_dir)
     store.check(dataset, draft.config.target_layer_ids, copy.deepcopy(target).to(torch.bfloat16))  # any dtype
     assert len(store) == 5 and torch.equal(store[0], first_example)
-    with pytest.raises(ValueError, match="taps target layers"):
+    stored = ",".join(str(layer) for layer in draft.config.target_layer_ids)
+    fix = f"`domino-spec cache-features` .* into another --output, or pass --target_layer_ids {stored} to train"
+    with pytest.raises(ValueError, match=rf"taps target layers .*, the draft \[1, 2\]: rebuild it with {fix}"):
         store.check(dataset, [1, 2], target)
-    with pytest.raises(ValueError, match="built by another target"):
+    with pytest.raises(ValueError, match="built by another target .*: pass train the --target it was built by"):
         store.check(dataset, draft.config.target_layer_ids, tiny_target("llama", seed=5))
 
     examples = [dataset[i] for i in range(len(dataset))]
@@ -760,3 +801,28 @@ def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
         loss_online = trainer.compute_loss(draft, online)
         loss_stored = trainer.compute_loss(draft, stored)
     torch.testing.assert_close(loss_stored, loss_online, rtol=2e-3, atol=2e-3)  # features stored in fp16
+
+
+def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(tmp_path):
+    """`cache-features --output DIR` over a store of other layers, data or target would discard it, and with it the
+    resumability of every run trained on it; the same store again is a resume with nothing left to do."""
+    from domino_spec.training.features import FeatureStore
+
+    records = [{"id": str(i), "prompt_ids": [3, 10 + i], "response_ids": list(range(20 + i, 28 + i))} for i in range(3)]
+    _write_jsonl(tmp_path / "d.jsonl", records)
+    dataset = load_training_dataset(str(tmp_path / "d.jsonl"))
+    target = tiny_target("llama")
+    store_dir = tmp_path / "store"
+    FeatureStore.build(target, dataset, [1, 3], str(store_dir))
+    files = {name: (store_dir / name).read_bytes() for name in ("index.json", "features.bin")}
+    fix = re.escape(f"pass another --output, or delete {store_dir} if nothing uses it")
+    with pytest.raises(ValueError, match=rf"holds a feature store of target layers \[1, 3\], not \[0, 2\]: .*{fix}"):
+        FeatureStore.build(target, dataset, [0, 2], str(store_dir))
+    with pytest.raises(ValueError, match=f"holds a feature store of other training data: .*{fix}"):
+        FeatureStore.build(target, dataset.select(range(2)), [1, 3], str(store_dir))
+    with pytest.raises(ValueError, match=f"holds a feature store of another target .*{fix}"):
+        FeatureStore.build(tiny_target("llama", seed=5), dataset, [1, 3], str(store_dir))
+    assert {name: (store_dir / name).read_bytes() for name in files} == files
+    FeatureStore(str(store_dir)).check(dataset, [1, 3], target)
+    assert len(FeatureStore.build(target, dataset, [1, 3], str(store_dir))) == 3
+    assert {name: (store_dir / name).read_bytes() for name in files} == files

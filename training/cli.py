@@ -5,6 +5,11 @@
     domino-spec train --target DIR --data FILE --output DIR --max-steps N
     domino-spec export --format sglang DIR OUT
     domino-spec card DIR [--push-to-hub REPO]
+    domino-spec bench [--target DIR] [--domino DIR] [--eval-sets ...] [--limit N]
+    domino-spec demo [--question TEXT] [--tiny]
+
+A mistake (a missing file, bad data, a draft for another target) ends with one line naming it and the fix, status 2;
+set DOMINO_SPEC_TRACEBACK=1 to see the traceback. Ctrl-C ends with status 130.
 
 `train` accepts every `transformers.TrainingArguments` flag (parsed with `HfArgumentParser`) and
 `--config recipe.yaml`, whose keys are the same flag names; flags on the command line win over the file.
@@ -24,7 +29,9 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DominoDraftModel
+from ..assets import MissingAssetError
 from .export import main as export_main
+from .model_card import check_draft_folder, draft_config
 from .model_card import main as card_main
 from .trainer import DominoTrainingArguments
 
@@ -133,6 +140,11 @@ class DraftArguments:
     )
 
 
+# The DominoConfig fields the shape flags set: a checkpoint's weights load only into a draft equal on all of them.
+SHAPE_FIELDS = ("num_hidden_layers", "block_size", "use_domino_head", "shift_label", "gru_hidden_dim", "emb_dim",
+                "target_layer_ids", "mask_token_id")  # fmt: skip
+
+
 def draft_shape(draft_args: DraftArguments) -> dict:
     """The `DominoConfig` fields the draft-shape flags set, for those given."""
     layer_ids = draft_args.target_layer_ids
@@ -156,14 +168,19 @@ def fresh_draft_shape(draft_args: DraftArguments, target) -> dict:
     return {"num_hidden_layers": layers, "block_size": 16, **draft_shape(draft_args)}
 
 
+def shape_conflicts(config: DominoConfig, shape: dict, owner: str) -> list[str]:
+    """The fields of `shape` (`draft_shape`'s) on which `config` differs, each as `name=asked (owner has value)`."""
+    return [f"{name}={value} ({owner} has {getattr(config, name)})"
+            for name, value in shape.items() if getattr(config, name) != value]  # fmt: skip
+
+
 def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftModel:
     """A fresh draft of the flags' shape for `target`, or the `--init_from` draft; master weights in fp32 (--bf16
     trains under autocast)."""
     shape = draft_shape(draft_args)
     if draft_args.init_from:
         draft = DominoDraftModel.from_pretrained(draft_args.init_from)
-        conflicts = [f"{name}={value} (the draft has {getattr(draft.config, name)})"
-                     for name, value in shape.items() if getattr(draft.config, name) != value]  # fmt: skip
+        conflicts = shape_conflicts(draft.config, shape, "the draft")
         if conflicts:
             raise ValueError(
                 f"--init_from {draft_args.init_from}: the draft's shape is fixed, but the flags ask for "
@@ -174,8 +191,14 @@ def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftMod
     return DominoDraftModel.from_target(target, tokenizer=tokenizer, **fresh_draft_shape(draft_args, target)).float()
 
 
-def parse_train_arguments(argv: list[str]) -> tuple[DraftArguments, DominoTrainingArguments]:
-    parser = HfArgumentParser((DraftArguments, DominoTrainingArguments))
+def parse_train_arguments(
+    argv: list[str], prog: str = "domino-spec train", description: str | None = None
+) -> tuple[DraftArguments, DominoTrainingArguments]:
+    description = description or (
+        "Train a Domino draft for a target on regenerated data: every transformers TrainingArguments flag works, "
+        "--config recipe.yaml takes the same flags (the command line wins), and rerunning resumes."
+    )
+    parser = HfArgumentParser((DraftArguments, DominoTrainingArguments), prog=prog, description=description)
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags win")
     parser.add_argument("--output", dest="output_dir", default=argparse.SUPPRESS, help="alias of --output_dir")
     # Without a GPU, train on the CPU explicitly: multi-process CPU runs (accelerate launch --cpu) need it.
@@ -233,7 +256,15 @@ def train(argv: list[str]) -> None:
         data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
         data_summary=data_summary,
     )
-    trainer.train(resume_from_checkpoint=checkpoint_to_resume(training_args))
+    checkpoint = checkpoint_to_resume(training_args)
+    if checkpoint is not None:
+        check_resumable(checkpoint, draft)
+        if finished_at(checkpoint, training_args) and os.path.isfile(os.path.join(training_args.output_dir,
+                                                                                  "model.safetensors")):  # fmt: skip
+            print(f"{training_args.output_dir} already holds the draft of a finished run ({checkpoint}); raise "
+                  "--max_steps to train on, or --restart to start over.")  # fmt: skip
+            return
+    trainer.train(resume_from_checkpoint=checkpoint)
     stopped_by = trainer.stop_on_signal.received
     if stopped_by is not None:
         print(f"{stopped_by.name}: stopped at step {trainer.state.global_step} with a checkpoint in "
@@ -247,10 +278,12 @@ def train(argv: list[str]) -> None:
 
 def load_target_and_data(draft_args: DraftArguments):
     """`(target, tokenizer, dataset, eval_dataset)` of `train` and `cache-features`, the data checked against the
-    target; `eval_dataset` is None without `--eval_data`."""
+    target; `eval_dataset` is None without `--eval_data`. Paths are checked before the target loads."""
     for flag, path in (("--data", draft_args.data), ("--eval_data", draft_args.eval_data)):
         if path and not os.path.exists(path):
             raise FileNotFoundError(f"{flag} {path}: no such file (make one with `domino-spec generate-data`)")
+    if draft_args.init_from:
+        check_draft_folder(draft_args.init_from, "--init_from")
     target, tokenizer = load_target(draft_args.target)
     dataset = load_checked_data(draft_args.data, target, tokenizer, draft_args.max_length)
     eval_dataset = None
@@ -291,6 +324,25 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
     return last
 
 
+def check_resumable(checkpoint: str, draft: DominoDraftModel) -> None:
+    """Raise `ValueError` if the flags built a draft of another shape than the checkpoint's: its weights would not
+    load."""
+    saved = DominoConfig.from_pretrained(checkpoint)
+    conflicts = shape_conflicts(saved, {name: getattr(draft.config, name) for name in SHAPE_FIELDS}, "the checkpoint")
+    if conflicts:
+        raise ValueError(
+            f"resuming from {checkpoint}, but the flags ask for another draft: {'; '.join(conflicts)}. Rerun with the "
+            "shape flags that run used, or pass --restart (or another --output) to train this shape from step 0."
+        )
+
+
+def finished_at(checkpoint: str, training_args: DominoTrainingArguments) -> bool:
+    """Whether the checkpoint reached `--max_steps` (Trainer, resumed there, would take one more step)."""
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as file:
+        global_step = json.load(file)["global_step"]
+    return 0 < training_args.max_steps <= global_step
+
+
 def last_complete_checkpoint(output_dir: str) -> str | None:
     """The highest-step `checkpoint-N` folder of `output_dir` that Trainer finished writing (`trainer_state.json`
     comes last). A newer, incomplete one (a save cut short by a kill) is skipped with a warning and left in place."""
@@ -314,7 +366,12 @@ def cache_features(argv: list[str]) -> None:
     """
     from .features import FeatureStore
 
-    draft_args, training_args = parse_train_arguments(argv)
+    draft_args, training_args = parse_train_arguments(
+        argv, prog="domino-spec cache-features", description=(
+            "Compute the target features of a training set once, for `train --features DIR`; takes train's flags "
+            "(the draft's shape decides the tapped layers), --output is the store's folder; rerun to resume."
+        )
+    )  # fmt: skip
     target, tokenizer, dataset, _ = load_target_and_data(draft_args)
     if draft_args.init_from:
         layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids
@@ -339,11 +396,32 @@ def main(argv: list[str] | None = None) -> None:
         "export": export_main,
         "card": card_main,
     }
+    if argv and argv[0] not in commands and argv[0] not in ("-h", "--help"):
+        close = difflib.get_close_matches(argv[0], commands, 1)
+        print(f"domino-spec: unknown command {argv[0]!r}" + (f" (did you mean {close[0]}?)" if close else "")
+              + f"; commands: {', '.join(commands)}", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     if not argv or argv[0] not in commands:
         print(__doc__)
         print(f"commands: {', '.join(commands)}")
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+        raise SystemExit(0 if argv else 2)
     commands[argv[0]](argv[1:])
+
+
+def run() -> None:
+    """The console script: `main`, with a mistake (missing file, bad data, a draft for another target) reported on
+    one line rather than as a traceback, and Ctrl-C ending quietly with status 130."""
+    command = f"domino-spec {sys.argv[1]}" if len(sys.argv) > 1 else "domino-spec"
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (ValueError, FileNotFoundError, MissingAssetError) as error:
+        if os.environ.get("DOMINO_SPEC_TRACEBACK"):
+            raise
+        print(f"{command}: error: {error} (DOMINO_SPEC_TRACEBACK=1 shows where)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def demo(argv: list[str]) -> None:
@@ -379,15 +457,20 @@ def bench(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     from ..generation.demo import SHIPPED_DRAFT
 
-    target, tokenizer = load_target(args.target)
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
-    drafts = {}
-    for name, folder in (("domino", args.domino or SHIPPED_DRAFT), ("dflash", args.dflash)):
-        if folder and any(m.startswith(name) for m in methods):
-            drafts[name] = DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+        raise ValueError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    folders = {name: folder for name, folder in (("domino", args.domino or SHIPPED_DRAFT), ("dflash", args.dflash))
+               if folder and any(method.startswith(name) for method in methods)}  # fmt: skip
+    for name, folder in folders.items():
+        check_draft_folder(folder, f"--{name}")
+    if "dflash" in folders and draft_config(folders["dflash"])[0].use_domino_head:
+        raise ValueError(f"--dflash {args.dflash} has a Domino head: the dflash method measures a backbone-only draft "
+                         "(train one with --use_domino_head false).")  # fmt: skip
+    target, tokenizer = load_target(args.target)
+    drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+              for name, folder in folders.items()}  # fmt: skip
     prompts = {name: eval_prompts(name, args.limit) for name in args.eval_sets.split(",") if name}
     report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens)
     if args.quality:
@@ -401,4 +484,4 @@ def bench(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -19,6 +19,7 @@ from transformers.dynamic_module_utils import get_relative_import_files
 
 from .. import modeling_domino, published_format
 from ..modeling_domino import DominoDraftModel
+from .model_card import check_draft_folder, write_model_card
 
 # Files of the source folder the model card reads; copied so `domino-spec card OUT` finds them too.
 CARD_INPUTS = ("training_summary.json", "bench_results.json")
@@ -56,8 +57,6 @@ def export_sglang(draft_dir: str, output_dir: str) -> str:
         source = os.path.join(draft_dir, name)
         if os.path.isfile(source) and os.path.abspath(source) != os.path.abspath(os.path.join(output_dir, name)):
             shutil.copyfile(source, os.path.join(output_dir, name))
-    from .model_card import write_model_card
-
     write_model_card(output_dir)
     return output_dir
 
@@ -75,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.format not in EXPORTERS:
         parser.error(f"unknown --format {args.format!r}; supported formats: {', '.join(EXPORTERS)}")
+    check_draft_folder(args.draft_dir)
     output_dir = EXPORTERS[args.format](args.draft_dir, args.output_dir)
     print(f"wrote the {args.format} checkpoint to {output_dir}")
 

@@ -97,12 +97,22 @@ def training_details(folder: str) -> dict | None:
     return summary
 
 
+def check_draft_folder(folder: str, flag: str = "") -> None:
+    """Raise `FileNotFoundError` naming `folder` (and the `flag` that gave it) unless it holds a draft's config.
+
+    The commands read drafts from local folders: a mistyped path fails here at once, not as a Hub download that
+    times out.
+    """
+    if not os.path.isfile(os.path.join(folder, published_format.CONFIG_NAME)):
+        what = "no such folder" if not os.path.isdir(folder) else f"no {published_format.CONFIG_NAME} in it"
+        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{folder}: {what}, so it is not a draft folder.")
+
+
 def draft_config(folder: str) -> tuple[DominoConfig, bool]:
     """The draft's config, from our own `config.json` or a published Domino / DFlash one, and whether it is published
     (the SGLang layout `domino-spec export` writes)."""
+    check_draft_folder(folder)
     config_path = os.path.join(folder, published_format.CONFIG_NAME)
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{folder} has no {published_format.CONFIG_NAME}: it is not a draft folder.")
     config = published_format.read_config_dict(config_path)
     if published_format.detect_format(config, config_path) == published_format.NATIVE:
         return DominoConfig.from_pretrained(folder), False
