@@ -98,6 +98,9 @@ def test_anchors_lie_inside_the_response():
         for position in positions:
             assert loss_mask[row, position] == 1 and loss_mask[row, position + 1] == 1
     assert sorted(set(anchors[0].tolist())) == [3, 4, 5]  # exactly the 3 candidates, without replacement
+    anchors = sample_anchors(loss_mask, num_anchors=256)  # no more than the longest response's 6 positions
+    assert anchors.shape == (2, 6) and anchors[1].tolist() == [1, 2, 3, 4, 5, 6]
+    assert set(anchors[0].tolist()) <= {3, 4, 5}  # drawn with replacement to fill the row
 
 
 # ---------------------------------------------------------------------- what a block sees
@@ -587,6 +590,10 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="--init_from .*missing: no such folder"):
         (tmp_path / "data.jsonl").write_text("")
         main(["train", "--target", "t", "--data", str(tmp_path / "data.jsonl"), "--init_from", str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError, match="--config .*recipe.yml: no such file"):
+        main(["train", "--config", str(tmp_path / "recipe.yml")])
+    with pytest.raises(FileNotFoundError, match="--prompts .*promts.jsonl: no such file or folder"):
+        main(["generate-data", "--target", "t", "--prompts", str(tmp_path / "promts.jsonl"), "--output", "o.jsonl"])
 
 
 def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):

@@ -79,6 +79,8 @@ def generate_data(argv: list[str]) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not os.path.exists(args.prompts):
+        raise FileNotFoundError(f"--prompts {args.prompts}: no such file or folder")
     target, tokenizer = load_target(args.target)
     prompts = load_prompts(args.prompts, limit=args.limit)
     thinking = None if args.thinking is None else args.thinking == "on"
@@ -207,6 +209,8 @@ def parse_train_arguments(
     config_flag.add_argument("--config", default=None)
     known, _ = config_flag.parse_known_args(argv)
     if known.config:
+        if not os.path.isfile(known.config):
+            raise FileNotFoundError(f"--config {known.config}: no such file")
         with open(known.config, encoding="utf-8") as file:
             values = yaml.safe_load(file) or {}
         if "output" in values:  # the alias of output_dir, as on the command line

@@ -13,10 +13,13 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     An anchor is a response token followed by a response token: at inference the first anchor is the target's
     first response token (its prefill output), so the prompt's last token never anchors a block. Positions are
     drawn without replacement while a response has enough of them, else with replacement (blocks may overlap).
+    N is at most the most positions a response of the batch has: beyond, every row would only repeat blocks, at
+    the memory cost of their logits (N x block x vocabulary per row).
     """
     batch_size, length = loss_mask.shape
     candidates = torch.zeros_like(loss_mask, dtype=torch.bool)
     candidates[:, :-1] = loss_mask[:, 1:].bool() & loss_mask[:, :-1].bool()
+    num_anchors = max(1, min(num_anchors, int(candidates.sum(-1).max())))
     anchors = torch.zeros(batch_size, num_anchors, dtype=torch.long)
     for row in range(batch_size):
         positions = candidates[row].nonzero().flatten()
