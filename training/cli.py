@@ -27,9 +27,9 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 
+from ..assets import MissingAssetError
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DominoDraftModel
-from ..assets import MissingAssetError
 from .export import main as export_main
 from .model_card import check_draft_folder, draft_config
 from .model_card import main as card_main
@@ -246,6 +246,14 @@ def train(argv: list[str]) -> None:
     data_summary = {**summarize(dataset), "generation": generation_settings(draft_args.data)}
     print(json.dumps({"data": data_summary}, indent=2))
     draft = build_draft(draft_args, target, tokenizer)
+    checkpoint = checkpoint_to_resume(training_args)
+    if checkpoint is not None:
+        check_resumable(checkpoint, draft)
+        final_draft = os.path.join(training_args.output_dir, "model.safetensors")
+        if finished_at(checkpoint, training_args) and os.path.isfile(final_draft):
+            print(f"{training_args.output_dir} already holds the draft of a finished run ({checkpoint}); raise "
+                  "--max_steps to train on, or --restart to start over.")  # fmt: skip
+            return
     feature_store = None
     if draft_args.features:
         feature_store = FeatureStore(draft_args.features)
@@ -260,14 +268,6 @@ def train(argv: list[str]) -> None:
         data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
         data_summary=data_summary,
     )
-    checkpoint = checkpoint_to_resume(training_args)
-    if checkpoint is not None:
-        check_resumable(checkpoint, draft)
-        if finished_at(checkpoint, training_args) and os.path.isfile(os.path.join(training_args.output_dir,
-                                                                                  "model.safetensors")):  # fmt: skip
-            print(f"{training_args.output_dir} already holds the draft of a finished run ({checkpoint}); raise "
-                  "--max_steps to train on, or --restart to start over.")  # fmt: skip
-            return
     trainer.train(resume_from_checkpoint=checkpoint)
     stopped_by = trainer.stop_on_signal.received
     if stopped_by is not None:
