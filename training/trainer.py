@@ -190,7 +190,9 @@ class DominoTrainer(Trainer):
 
     def evaluation_loop(self, *args, metric_key_prefix: str = "eval", **kwargs):
         """Trainer's loop (`eval_loss`), plus the Domino metrics of the evaluated batches: `eval_loss_base`,
-        `eval_acceptance_final`, ..."""
+        `eval_acceptance_final`, ... These are means over batches, then over processes, including the examples
+        accelerate repeats to even out the processes' batches, which Trainer drops from `eval_loss`: with several
+        processes the two can differ slightly."""
         self._eval_metrics = MetricMeans()
         output = super().evaluation_loop(*args, metric_key_prefix=metric_key_prefix, **kwargs)
         means = self._eval_metrics.pop_means(self.accelerator, self.args.device)
