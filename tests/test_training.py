@@ -282,6 +282,30 @@ def test_trainer_follows_the_curriculum_and_its_loss_options(tmp_path):
     torch.testing.assert_close(loss_and_logits(training_time_test=True)[1], reading_predictions)
 
 
+def test_evaluation_draws_the_same_anchors_each_time_and_its_workers_ignore_stop_signals(tmp_path):
+    target = tiny_target("llama")
+    examples = _random_examples(count=4, length=16, prompt_length=4)
+    trainer = _trainer(tmp_path, target, tiny_draft(target).float(), examples[:2], num_anchors=3,
+                       dataloader_num_workers=1, per_device_eval_batch_size=1)  # fmt: skip
+    scores = [trainer.evaluate(examples)["eval_loss"] for _ in range(2)]
+    assert scores[0] == scores[1]  # 3 of 11 positions per row: random anchors would differ
+    batches = iter(trainer.get_eval_dataloader(examples))
+    next(batches)  # the worker runs
+    (worker,) = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    os.kill(int(worker), signal.SIGTERM)  # as a scheduler's stop reaches every process of the job
+    time.sleep(0.5)
+    assert len(list(batches)) == 3  # the worker lives on to deliver the rest
+
+
+def test_a_run_that_raises_gives_back_the_signal_handlers(tmp_path):
+    target = tiny_target("llama")
+    examples = _random_examples(count=2, length=16, prompt_length=15)  # one response token: no block to anchor
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ValueError, match="no response position to anchor a block"):
+        _trainer(tmp_path, target, tiny_draft(target).float(), examples, num_anchors=3).train()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     target = tiny_target("llama")
     # The same seed draws the same anchors in both runs (row by row, in the same order): they train the same blocks.

@@ -43,6 +43,7 @@ class DominoDataCollator:
     pad_token_id: int
     num_anchors: int = 256
     feature_store: FeatureStore | None = None
+    generator: torch.Generator | None = None  # of the anchors; None: torch's global one
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(example["input_ids"]) for example in examples)
@@ -58,7 +59,7 @@ class DominoDataCollator:
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "loss_mask": loss_mask,
-            "anchor_positions": sample_anchors(loss_mask, self.num_anchors),
+            "anchor_positions": sample_anchors(loss_mask, self.num_anchors, self.generator),
         }
         if self.feature_store is not None and "index" in examples[0]:
             features = torch.zeros(len(examples), length, self.feature_store.width)

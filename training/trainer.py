@@ -4,11 +4,12 @@ import functools
 import logging
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
+from .collator import DominoDataCollator
 from .features import target_hidden_states
 from .loss import block_labels, curriculum_lambda, domino_loss
 from .model_card import training_summary, write_model_card
@@ -83,6 +84,10 @@ class StopOnSignal(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.restore_handlers()
+
+    def restore_handlers(self) -> None:
+        """Put back the handlers `on_train_begin` replaced (also when training raised, before `on_train_end`)."""
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
         self._previous_handlers = {}
@@ -109,6 +114,13 @@ class MetricMeans:
         means = accelerator.reduce(means, reduction="mean")
         self.sums, self.count = {}, 0
         return {name: round(value, 4) for name, value in zip(names, means.tolist())}
+
+
+def _workers_ignoring_stop_signals(dataloader):
+    """`dataloader` (accelerate's wrapper or a torch DataLoader), its workers set to ignore stop signals."""
+    loader = getattr(dataloader, "base_dataloader", dataloader)  # the torch DataLoader inside accelerate's wrapper
+    loader.worker_init_fn = functools.partial(_ignore_stop_signals, loader.worker_init_fn)
+    return dataloader
 
 
 def _ignore_stop_signals(worker_init_fn, worker_id: int) -> None:
@@ -142,10 +154,23 @@ class DominoTrainer(Trainer):
         self.stop_on_signal = StopOnSignal()
         self.add_callback(self.stop_on_signal)
 
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # a run that raised never reached on_train_end: a later SIGTERM must not be swallowed
+            self.stop_on_signal.restore_handlers()
+
     def get_train_dataloader(self):
-        dataloader = super().get_train_dataloader()
-        loader = getattr(dataloader, "base_dataloader", dataloader)  # the torch DataLoader inside accelerate's wrapper
-        loader.worker_init_fn = functools.partial(_ignore_stop_signals, loader.worker_init_fn)
+        return _workers_ignoring_stop_signals(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Trainer's, with workers that leave stop signals to training and anchors drawn from a generator seeded
+        alike at every evaluation (not the training stream's): scores of successive evaluations compare."""
+        dataloader = _workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset))
+        loader = getattr(dataloader, "base_dataloader", dataloader)
+        if isinstance(loader.collate_fn, DominoDataCollator):
+            generator = torch.Generator().manual_seed(self.args.seed)
+            loader.collate_fn = replace(loader.collate_fn, generator=generator)
         return dataloader
 
     def current_lambda(self) -> float:
