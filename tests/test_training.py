@@ -479,13 +479,17 @@ def test_resuming_picks_the_highest_complete_checkpoint(tmp_path, capsys):
     assert checkpoint_to_resume(parse_train_arguments(argv)[1]) is None  # nothing to resume yet
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         checkpoint_to_resume(parse_train_arguments(argv + ["--resume_from_checkpoint", "true"])[1])
-    for step in (2, 10, 12):  # 10 after 2 in step order, not in name order; 12 cut short
+    for step in (2, 10, 12, 14):  # 10 after 2 in step order, not in name order; 12 and 14 cut short
         (tmp_path / f"checkpoint-{step}").mkdir()
         if step != 12:
-            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text('{"global_step": 1' if step == 14 else "{}")
     for flags in ([], ["--resume_from_checkpoint", "true"]):
         assert checkpoint_to_resume(parse_train_arguments(argv + flags)[1]) == str(tmp_path / "checkpoint-10")
-        assert f"skipping {tmp_path / 'checkpoint-12'}: incomplete" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"skipping {tmp_path / 'checkpoint-14'}: incomplete" in err and "checkpoint-12: incomplete" in err
+    chosen = ["--resume_from_checkpoint", str(tmp_path / "checkpoint-12")]
+    with pytest.raises(FileNotFoundError, match="--resume_from_checkpoint .*checkpoint-12: not a complete Trainer"):
+        checkpoint_to_resume(parse_train_arguments(argv + chosen)[1])
     assert checkpoint_to_resume(parse_train_arguments(argv + ["--restart", "true"])[1]) is None
 
 
@@ -587,7 +591,7 @@ def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tm
                str(tmp_path / "draft"), "--block_size", "4", "--num_anchors", "4", "--max_steps", "2",
                "--save_strategy", "steps", "--save_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
     main(command + ["--draft_layers", "1"])
-    with pytest.raises(ValueError, match=r"flags ask for another draft: num_hidden_layers=2 \(the checkpoint has 1\)"):
+    with pytest.raises(ValueError, match=r"build for this --target differs: num_hidden_layers=2 \(the checkpoint has 1\)"):
         main(command + ["--draft_layers", "2"])
     capsys.readouterr()
     main(command + ["--draft_layers", "1"])

@@ -142,9 +142,9 @@ class DraftArguments:
     )
 
 
-# The DominoConfig fields the shape flags set: a checkpoint's weights load only into a draft equal on all of them.
-SHAPE_FIELDS = ("num_hidden_layers", "block_size", "use_domino_head", "shift_label", "gru_hidden_dim", "emb_dim",
-                "target_layer_ids", "mask_token_id")  # fmt: skip
+# Config fields a resumed checkpoint may differ on from the draft the flags build: bookkeeping and inference options.
+NOT_TRAINED_FIELDS = {"_name_or_path", "architectures", "auto_map", "dtype", "transformers_version", "target_model_name",
+                      "head_candidate_pool", "fused_head_step", "gru_input_table_max_bytes"}  # fmt: skip
 
 
 def draft_shape(draft_args: DraftArguments) -> dict:
@@ -170,19 +170,14 @@ def fresh_draft_shape(draft_args: DraftArguments, target) -> dict:
     return {"num_hidden_layers": layers, "block_size": 16, **draft_shape(draft_args)}
 
 
-def shape_conflicts(config: DominoConfig, shape: dict, owner: str) -> list[str]:
-    """The fields of `shape` (`draft_shape`'s) on which `config` differs, each as `name=asked (owner has value)`."""
-    return [f"{name}={value} ({owner} has {getattr(config, name)})"
-            for name, value in shape.items() if getattr(config, name) != value]  # fmt: skip
-
-
 def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftModel:
     """A fresh draft of the flags' shape for `target`, or the `--init_from` draft; master weights in fp32 (--bf16
     trains under autocast)."""
     shape = draft_shape(draft_args)
     if draft_args.init_from:
         draft = DominoDraftModel.from_pretrained(draft_args.init_from)
-        conflicts = shape_conflicts(draft.config, shape, "the draft")
+        conflicts = [f"{name}={value} (the draft has {getattr(draft.config, name)})"
+                     for name, value in shape.items() if getattr(draft.config, name) != value]  # fmt: skip
         if conflicts:
             raise ValueError(
                 f"--init_from {draft_args.init_from}: the draft's shape is fixed, but the flags ask for "
@@ -312,6 +307,9 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
     output_dir, so that rerunning an interrupted command continues it, unless `--restart`."""
     chosen = training_args.resume_from_checkpoint
     if chosen is not None and chosen.lower() not in ("true", "last"):
+        if not _is_complete_checkpoint(chosen):
+            raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: not a complete Trainer checkpoint (no "
+                                    f"readable {TRAINER_STATE_NAME} in it)")  # fmt: skip
         return chosen
     last = last_complete_checkpoint(training_args.output_dir)
     if chosen is not None:
@@ -329,19 +327,22 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
 
 
 def check_resumable(checkpoint: str, draft: DominoDraftModel) -> None:
-    """Raise `ValueError` if the flags built a draft of another shape than the checkpoint's: its weights would not
-    load."""
-    saved = DominoConfig.from_pretrained(checkpoint)
-    conflicts = shape_conflicts(saved, {name: getattr(draft.config, name) for name in SHAPE_FIELDS}, "the checkpoint")
+    """Raise `ValueError` if the draft the flags built for this `--target` is not the checkpoint's: its weights would
+    not load, or would train on as another draft."""
+    saved, built = DominoConfig.from_pretrained(checkpoint).to_dict(), draft.config.to_dict()
+    conflicts = [f"{name}={built.get(name)!r} (the checkpoint has {saved.get(name)!r})"
+                 for name in sorted((set(saved) | set(built)) - NOT_TRAINED_FIELDS)
+                 if saved.get(name) != built.get(name)]  # fmt: skip
     if conflicts:
         raise ValueError(
-            f"resuming from {checkpoint}, but the flags ask for another draft: {'; '.join(conflicts)}. Rerun with the "
-            "shape flags that run used, or pass --restart (or another --output) to train this shape from step 0."
+            f"resuming from {checkpoint}, but the draft these flags build for this --target differs: "
+            f"{'; '.join(conflicts)}. Rerun with that run's --target and shape flags, or pass --restart (or another "
+            "--output) to train this draft from step 0."
         )
 
 
 def finished_at(checkpoint: str, training_args: DominoTrainingArguments) -> bool:
-    """Whether the checkpoint reached `--max_steps` (Trainer, resumed there, would take one more step)."""
+    """Whether the checkpoint reached `--max_steps`: resumed there, Trainer has nothing left to train."""
     with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as file:
         global_step = json.load(file)["global_step"]
     return 0 < training_args.max_steps <= global_step
@@ -356,10 +357,21 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
              if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit()}  # fmt: skip
     for step in sorted(steps, reverse=True):
         folder = os.path.join(output_dir, steps[step])
-        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+        if _is_complete_checkpoint(folder):
             return folder
-        print(f"skipping {folder}: incomplete (no {TRAINER_STATE_NAME}; its save was cut short)", file=sys.stderr)
+        print(f"skipping {folder}: incomplete (no readable {TRAINER_STATE_NAME}; its save was cut short)",
+              file=sys.stderr)  # fmt: skip
     return None
+
+
+def _is_complete_checkpoint(folder: str) -> bool:
+    """Whether Trainer finished saving `folder`: it writes `trainer_state.json` last, and not atomically."""
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as file:
+            json.load(file)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def cache_features(argv: list[str]) -> None:
@@ -422,7 +434,7 @@ def run() -> None:
         print(f"{command}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, FileNotFoundError, MissingAssetError) as error:
-        if os.environ.get("DOMINO_SPEC_TRACEBACK"):
+        if os.environ.get("DOMINO_SPEC_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"{command}: error: {error} (DOMINO_SPEC_TRACEBACK=1 shows where)", file=sys.stderr)
         raise SystemExit(2) from None
