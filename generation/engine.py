@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, DynamicLayer, LogitsProcessorList, PreTrainedModel
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..modeling_domino import DominoContextCache
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
@@ -263,7 +264,9 @@ def speculative_generate(
     clock = _Clock(input_ids.device)
     start = clock()
     record = _Record(input_ids.shape[0], setup, pad_token_id, input_ids.device)
-    cache, draft_cache = _new_target_cache(target, input_ids.shape[0], draft is not None), DominoContextCache()
+    max_slots = input_ids.shape[1] + max_new_tokens * (setup.num_drafts + 1)  # every round's rejected drafts kept
+    cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
+    draft_cache = DominoContextCache()
     if streamer is not None:
         streamer.put(input_ids.cpu())
     rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
@@ -327,27 +330,34 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
     return setup, pad_token_id
 
 
-def _new_target_cache(target: PreTrainedModel, batch_size: int, has_draft: bool) -> DynamicCache:
+def _new_target_cache(target: PreTrainedModel, batch_size: int, num_drafts: int, max_slots: int) -> DynamicCache:
     """The target's cache, checked against what a batch does to it: finished rows leave it (`batch_select_indices`)
-    and, with a draft, rejected drafts stay in it as masked holes (only a full-attention `DynamicLayer` ignores
-    them)."""
+    and, with drafts, rejected ones stay in it as masked holes, up to `max_slots` slots per row."""
     cache = DynamicCache(config=target.config)
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()  # sliding-window layers can then be cropped back after a verify pass
     for layer in cache.layers if batch_size > 1 else []:
-        if has_draft and type(layer) is not DynamicLayer:
-            problem = ("would give wrong tokens: a row's rejected drafts stay in them as masked holes, which a sliding "
-                       "window counts as tokens and a recurrent state has already absorbed")
+        if num_drafts and not _ignores_holes(layer, max_slots):
+            problem = ("would give wrong tokens: a row's rejected drafts stay in them as masked holes, which only full "
+                       "attention ignores (a sliding window counts them as tokens, a recurrent state has absorbed them)")
         elif not hasattr(layer, "batch_select_indices"):
             problem = "cannot drop the rows that finish early"
         else:
             continue
         raise ValueError(
             f"Batched decoding of {type(target).__name__} is not supported: its {type(layer).__name__} cache layers "
-            f"(sliding-window or recurrent attention) {problem}. Decode one prompt at a "
-            "time (batch size 1)" + (", or use `target.generate(..., assistant_model=draft)`." if has_draft else ".")
+            f"{problem}. Decode one prompt at a time (batch size 1)"
+            + (", or use `target.generate(..., assistant_model=draft)`." if num_drafts else ".")
         )
     return cache
+
+
+def _ignores_holes(layer, max_slots: int) -> bool:
+    """Whether masked slots leave what a row attends to unchanged: in full attention, and in a sliding window too
+    wide to ever slide over the cache."""
+    if type(layer) is DynamicSlidingWindowLayer:
+        return layer.sliding_window > max_slots
+    return type(layer) is DynamicLayer
 
 
 def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, streamer) -> _Rows:

@@ -216,8 +216,8 @@ def test_native_batch_rows_equal_prompts_decoded_alone(setup, which):
 SLIDING_WINDOW = 6  # prompts and generations below run well past it
 
 
-def _sliding_window_target(family: str):
-    overrides = dict(sliding_window=SLIDING_WINDOW)
+def _sliding_window_target(family: str, sliding_window: int = SLIDING_WINDOW):
+    overrides = dict(sliding_window=sliding_window)
     if family == "qwen2":
         overrides.update(use_sliding_window=True, max_window_layers=0)  # every layer slides
     return tiny_target(family, dtype=torch.float64, **overrides)  # gemma3: sliding layers between full ones
@@ -255,20 +255,24 @@ def test_native_sliding_window_target_one_prompt_at_a_time(family):
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_native_batch_refuses_sliding_window_target(family):
-    """Rejected drafts stay in a row's cache as masked holes, and a sliding window counts them: refused, while
-    batched plain decoding (no holes) still matches each prompt decoded alone."""
-    target = _sliding_window_target(family)
+    """Rejected drafts stay in a row's cache as masked holes, and a sliding window counts them once it slides:
+    refused, while batched plain decoding (no holes), and drafting under a window too wide to slide, still match
+    each prompt decoded alone."""
     prompts = random_prompts(3, seed=8, min_length=2, max_length=9)
     input_ids, attention_mask = left_pad(prompts, pad_token_id=127)
-    with pytest.raises(ValueError, match="SlidingWindowLayer cache layers .*batch size 1"):
+    target = _sliding_window_target(family)
+    with pytest.raises(ValueError, match="SlidingWindowLayer cache layers would give wrong tokens.*batch size 1"):
         speculative_generate(target, tiny_draft(target), input_ids, attention_mask, max_new_tokens=12)
-    output = speculative_generate(target, None, input_ids, attention_mask, max_new_tokens=12)
-    width = input_ids.shape[1]
-    for row, prompt in enumerate(prompts):
-        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
-        num_new = expected.shape[1] - prompt.shape[1]
-        assert output.num_new_tokens[row] == num_new, f"row {row}"
-        assert torch.equal(output.sequences[row, width : width + num_new], expected[0, prompt.shape[1] :]), f"row {row}"
+    wide_window_target = _sliding_window_target(family, sliding_window=1000)  # > 9 + 12 * (3 drafts + 1) slots
+    for target, draft in ((target, None), (wide_window_target, tiny_draft(wide_window_target))):
+        output = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=12)
+        width = input_ids.shape[1]
+        for row, prompt in enumerate(prompts):
+            expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                       do_sample=False)  # fmt: skip
+            num_new = expected.shape[1] - prompt.shape[1]
+            assert output.num_new_tokens[row] == num_new, f"row {row}"
+            assert torch.equal(output.sequences[row, width : width + num_new], expected[0, prompt.shape[1] :])
 
 
 def test_native_batch_refuses_recurrent_target():
@@ -284,7 +288,7 @@ def test_native_batch_refuses_recurrent_target():
     )
     target = Qwen3NextForCausalLM(config).eval()
     input_ids, attention_mask = left_pad(random_prompts(2, seed=9, max_length=9), pad_token_id=127)
-    with pytest.raises(ValueError, match="LinearAttentionLayer cache layers .*wrong tokens.*batch size 1"):
+    with pytest.raises(ValueError, match="LinearAttentionLayer cache layers would give wrong tokens.*batch size 1"):
         speculative_generate(target, tiny_draft(target), input_ids, attention_mask, max_new_tokens=8)
-    with pytest.raises(ValueError, match="LinearAttentionLayer cache layers .*finish early.*batch size 1"):
+    with pytest.raises(ValueError, match="LinearAttentionLayer cache layers cannot drop the rows.*batch size 1"):
         speculative_generate(target, None, input_ids, attention_mask, max_new_tokens=8)
