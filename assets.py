@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -144,12 +145,15 @@ def record_hub_id(folder: str, hub_id: str) -> None:
     if config.get("converted_from") == hub_id:
         return
     config["converted_from"] = hub_id
-    # Written aside and renamed: a reader never sees half a config.
+    # Written aside under a name of its own and renamed: a reader, or another process doing the same, never sees
+    # half a config.
     try:
-        with open(path + ".partial", "w", encoding="utf-8") as file:
+        descriptor, partial = tempfile.mkstemp(dir=folder, prefix="config.json.")
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             json.dump(config, file, indent=2, sort_keys=True)
             file.write("\n")
-        os.replace(path + ".partial", path)
+        os.chmod(partial, 0o644)  # mkstemp's file is private; the config it replaces was not
+        os.replace(partial, path)
     except OSError:  # a read-only shared cache: the folder still loads, drafts only warn of a name mismatch
         pass
 

@@ -173,9 +173,7 @@ def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:
         differences.append(f"target layers {previous.get('layer_ids')}, not {identity['layer_ids']}")
     if previous.get("fingerprint") != identity["fingerprint"]:
         differences.append("other training data")
-    if "target" not in previous:
-        differences.append("an unrecorded target (it predates target signatures)")
-    elif previous["target"] != identity["target"]:
+    if previous.get("target", identity["target"]) != identity["target"]:  # older stores record none, as `check` allows
         differences.append("another target (or other weights of it)")
     if differences:
         store = "a feature store" if previous.get("complete") else "an unfinished feature store"
