@@ -569,6 +569,14 @@ class DominoDraftModel(PreTrainedModel):
             cache[name] = (key, tuple(weakref.ref(t) for t in sources), derived)
         return derived
 
+    def __getstate__(self) -> dict:
+        """Pickling (`torch.save(draft)`, multiprocessing) leaves out what is rebuilt on use: the derived tensors,
+        held with weak references, and compiled drafting (call `compile_drafting` again after loading)."""
+        state = dict(super().__getstate__())
+        state.pop("_derived_tensors", None)
+        state.pop("_compiled_drafting", None)
+        return state
+
     def clear_derived_tensors(self) -> None:
         """Drop the tensors derived from the draft's and the target's weights for fast inference (the GRU input table,
         the fused state weight, ...); the next drafting round rebuilds them.
@@ -882,6 +890,11 @@ class DominoDraftModel(PreTrainedModel):
     ) -> "DominoCandidateGenerator":
         """The candidate generator `target.generate(..., assistant_model=draft)` uses (see the generate hook below)."""
         self.check_target(target)
+        if input_ids.shape[1] == 0:
+            raise ValueError(
+                "target.generate(assistant_model=draft) needs the prompt as `input_ids` (with or without "
+                "`inputs_embeds`): the draft drafts from the target's features of the prompt's tokens."
+            )
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"target.generate(assistant_model=draft) decodes one sequence at a time (got batch size "

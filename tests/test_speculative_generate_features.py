@@ -2,6 +2,7 @@
 generate hook, and the clear errors of both decoding paths."""
 
 import inspect
+import io
 
 import pytest
 import torch
@@ -155,6 +156,21 @@ def test_hf_path_errors(models):
         target(prompt[:, :-2], **{cache_name: prefix_cache})
     with pytest.raises(ValueError, match="prefilled cache .* Pass the whole prompt without a cache"):
         target.generate(prompt, max_new_tokens=5, assistant_model=draft, **{cache_name: prefix_cache})
+    embeds = target.get_input_embeddings()(prompt)
+    with pytest.raises(ValueError, match="needs the prompt as `input_ids` \\(with or without `inputs_embeds`\\)"):
+        target.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                        assistant_model=draft)  # fmt: skip
+
+
+def test_a_draft_that_has_drafted_pickles_and_drafts_the_same_after(models):
+    target, draft = models
+    prompt = random_prompts(1, seed=10)[0]
+    expected = target.generate(prompt, max_new_tokens=9, do_sample=False, assistant_model=draft)
+    buffer = io.BytesIO()
+    torch.save(draft, buffer)  # its derived tensors hold weak references, which do not pickle
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=9, do_sample=False, assistant_model=copy), expected)
 
 
 def test_native_errors(models):
