@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 
@@ -147,15 +148,17 @@ def record_hub_id(folder: str, hub_id: str) -> None:
     config["converted_from"] = hub_id
     # Written aside under a name of its own and renamed: a reader, or another process doing the same, never sees
     # half a config.
+    partial = None
     try:
         descriptor, partial = tempfile.mkstemp(dir=folder, prefix="config.json.")
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             json.dump(config, file, indent=2, sort_keys=True)
             file.write("\n")
-        os.chmod(partial, 0o644)  # mkstemp's file is private; the config it replaces was not
+        os.chmod(partial, stat.S_IMODE(os.stat(path).st_mode))  # mkstemp's file is private; keep the config's mode
         os.replace(partial, path)
     except OSError:  # a read-only shared cache: the folder still loads, drafts only warn of a name mismatch
-        pass
+        if partial is not None and os.path.exists(partial):
+            os.unlink(partial)
 
 
 def load_target(name: str, dtype: torch.dtype = torch.float32):

@@ -570,8 +570,9 @@ class DominoDraftModel(PreTrainedModel):
         return derived
 
     def __getstate__(self) -> dict:
-        """Pickling (`torch.save(draft)`, multiprocessing) leaves out what is rebuilt on use: the derived tensors,
-        held with weak references, and compiled drafting (call `compile_drafting` again after loading)."""
+        """Pickling and copying (`torch.save(draft)`, multiprocessing, `copy.deepcopy`) leave out what is rebuilt on
+        use: the derived tensors, held with weak references, and compiled drafting (call `compile_drafting` again on
+        the copy)."""
         state = dict(super().__getstate__())
         state.pop("_derived_tensors", None)
         state.pop("_compiled_drafting", None)

@@ -339,7 +339,8 @@ def _new_target_cache(target: PreTrainedModel, batch_size: int, num_drafts: int,
     for layer in cache.layers if batch_size > 1 else []:
         if num_drafts and not _ignores_holes(layer, max_slots):
             problem = ("would give wrong tokens: a row's rejected drafts stay in them as masked holes, which only full "
-                       "attention ignores (a sliding window counts them as tokens, a recurrent state has absorbed them)")
+                       "attention ignores (a sliding window counts them as tokens unless it is wider than prompt + "
+                       f"max_new_tokens x (drafts + 1) = {max_slots} slots; a recurrent state has absorbed them)")
         elif not hasattr(layer, "batch_select_indices"):
             problem = "cannot drop the rows that finish early"
         else:

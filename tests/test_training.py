@@ -295,6 +295,9 @@ def test_evaluation_draws_the_same_anchors_each_time_and_its_workers_ignore_stop
     os.kill(int(worker), signal.SIGTERM)  # as a scheduler's stop reaches every process of the job
     time.sleep(0.5)
     assert len(list(batches)) == 3  # the worker lives on to deliver the rest
+    persistent = _trainer(tmp_path, target, trainer.model, examples[:2], num_anchors=3, dataloader_num_workers=1,
+                          per_device_eval_batch_size=1, dataloader_persistent_workers=True)  # fmt: skip
+    assert [persistent.evaluate(examples)["eval_loss"] for _ in range(2)] == scores  # workers keep their collator
 
 
 def test_a_run_that_raises_gives_back_the_signal_handlers(tmp_path):
@@ -588,16 +591,18 @@ def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tm
     _write_jsonl(tmp_path / "data.jsonl", [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11],
                                             "response_ids": list(range(20 + i, 34 + i))} for i in range(3)])  # fmt: skip
     command = ["train", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--output",
-               str(tmp_path / "draft"), "--block_size", "4", "--num_anchors", "4", "--max_steps", "2",
+               str(tmp_path / "draft"), "--block_size", "4", "--num_anchors", "4", "--draft_layers", "1",
                "--save_strategy", "steps", "--save_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
-    main(command + ["--draft_layers", "1"])
+    main(command + ["--max_steps", "2"])
     with pytest.raises(ValueError, match=r"build for this --target differs: num_hidden_layers=2 \(the checkpoint has 1\)"):
-        main(command + ["--draft_layers", "2"])
+        main(command + ["--max_steps", "2", "--draft_layers", "2"])
     capsys.readouterr()
-    main(command + ["--draft_layers", "1"])
+    main(command + ["--max_steps", "2"])
     out = capsys.readouterr().out
     assert "already holds the draft of a finished run" in out and "'loss'" not in out
     assert not (tmp_path / "draft" / "checkpoint-3").exists()
+    main(command + ["--num_train_epochs", "2"])  # 2 epochs of one step: what the checkpoint holds
+    assert "already holds the draft of a finished run" in capsys.readouterr().out
 
 
 def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
@@ -861,3 +866,12 @@ def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(t
     FeatureStore(str(store_dir)).check(dataset, [1, 3], target)
     assert len(FeatureStore.build(target, dataset, [1, 3], str(store_dir))) == 3
     assert {name: (store_dir / name).read_bytes() for name in files} == files
+    # A store from before target signatures: finished, it stands (as `check` lets it); unfinished, the rest could come
+    # from another target, so it is refused.
+    index = json.loads(files["index.json"])
+    del index["target"]
+    (store_dir / "index.json").write_text(json.dumps(index))
+    assert len(FeatureStore.build(target, dataset, [1, 3], str(store_dir))) == 3
+    (store_dir / "index.json").write_text(json.dumps({**index, "complete": False}))
+    with pytest.raises(ValueError, match="holds an unfinished feature store of an unrecorded target"):
+        FeatureStore.build(tiny_target("llama", seed=5), dataset, [1, 3], str(store_dir))

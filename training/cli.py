@@ -342,10 +342,13 @@ def check_resumable(checkpoint: str, draft: DominoDraftModel) -> None:
 
 
 def finished_at(checkpoint: str, training_args: DominoTrainingArguments) -> bool:
-    """Whether the checkpoint reached `--max_steps`: resumed there, Trainer has nothing left to train."""
+    """Whether the checkpoint reached `--max_steps`, or `--num_train_epochs` without it: resumed there, Trainer has
+    nothing left to train."""
     with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as file:
-        global_step = json.load(file)["global_step"]
-    return 0 < training_args.max_steps <= global_step
+        state = json.load(file)
+    if training_args.max_steps > 0:
+        return state["global_step"] >= training_args.max_steps
+    return (state.get("epoch") or 0) >= training_args.num_train_epochs
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
@@ -434,7 +437,7 @@ def run() -> None:
         print(f"{command}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except (ValueError, FileNotFoundError, MissingAssetError) as error:
-        if os.environ.get("DOMINO_SPEC_TRACEBACK", "0") not in ("", "0"):
+        if os.environ.get("DOMINO_SPEC_TRACEBACK", "").lower() in ("1", "true", "yes"):
             raise
         print(f"{command}: error: {error} (DOMINO_SPEC_TRACEBACK=1 shows where)", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,5 +1,6 @@
 """Batches for DominoTrainer: right-padded sequences plus the anchors of the blocks to train."""
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ class DominoDataCollator:
     pad_token_id: int
     num_anchors: int = 256
     feature_store: FeatureStore | None = None
-    generator: torch.Generator | None = None  # of the anchors; None: torch's global one
+    anchor_seed: int | None = None  # None: anchors from torch's global generator; else fixed by the seed and batch
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(example["input_ids"]) for example in examples)
@@ -59,7 +60,7 @@ class DominoDataCollator:
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "loss_mask": loss_mask,
-            "anchor_positions": sample_anchors(loss_mask, self.num_anchors, self.generator),
+            "anchor_positions": sample_anchors(loss_mask, self.num_anchors, self._anchor_generator(input_ids)),
         }
         if self.feature_store is not None and "index" in examples[0]:
             features = torch.zeros(len(examples), length, self.feature_store.width)
@@ -70,3 +71,11 @@ class DominoDataCollator:
                 features[row, : stored.shape[0]] = stored.float()
             batch["target_hidden"] = features
         return batch
+
+    def _anchor_generator(self, input_ids: torch.Tensor) -> torch.Generator | None:
+        """With `anchor_seed`, a generator seeded by it and the batch's tokens: the same batch gets the same anchors
+        in any process, worker or evaluation, whatever was drawn before."""
+        if self.anchor_seed is None:
+            return None
+        digest = hashlib.sha256(input_ids.numpy().tobytes()).digest()
+        return torch.Generator().manual_seed(self.anchor_seed ^ int.from_bytes(digest[:7], "little"))

@@ -173,7 +173,9 @@ def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:
         differences.append(f"target layers {previous.get('layer_ids')}, not {identity['layer_ids']}")
     if previous.get("fingerprint") != identity["fingerprint"]:
         differences.append("other training data")
-    if previous.get("target", identity["target"]) != identity["target"]:  # older stores record none, as `check` allows
+    if "target" not in previous and not previous.get("complete"):  # older stores record none: finished, `check` warns
+        differences.append("an unrecorded target (it predates target signatures)")
+    elif previous.get("target", identity["target"]) != identity["target"]:
         differences.append("another target (or other weights of it)")
     if differences:
         store = "a feature store" if previous.get("complete") else "an unfinished feature store"

@@ -119,7 +119,9 @@ class MetricMeans:
 def _workers_ignoring_stop_signals(dataloader):
     """`dataloader` (accelerate's wrapper or a torch DataLoader), its workers set to ignore stop signals."""
     loader = getattr(dataloader, "base_dataloader", dataloader)  # the torch DataLoader inside accelerate's wrapper
-    loader.worker_init_fn = functools.partial(_ignore_stop_signals, loader.worker_init_fn)
+    init = loader.worker_init_fn
+    if getattr(init, "func", None) is not _ignore_stop_signals:  # Trainer may hand back a loader it cached
+        loader.worker_init_fn = functools.partial(_ignore_stop_signals, init)
     return dataloader
 
 
@@ -164,13 +166,12 @@ class DominoTrainer(Trainer):
         return _workers_ignoring_stop_signals(super().get_train_dataloader())
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """Trainer's, with workers that leave stop signals to training and anchors drawn from a generator seeded
-        alike at every evaluation (not the training stream's): scores of successive evaluations compare."""
+        """Trainer's, with workers that leave stop signals to training and anchors fixed by the seed and each batch
+        (not drawn from the training stream): scores of successive evaluations compare."""
         dataloader = _workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset))
         loader = getattr(dataloader, "base_dataloader", dataloader)
         if isinstance(loader.collate_fn, DominoDataCollator):
-            generator = torch.Generator().manual_seed(self.args.seed)
-            loader.collate_fn = replace(loader.collate_fn, generator=generator)
+            loader.collate_fn = replace(loader.collate_fn, anchor_seed=self.args.seed)
         return dataloader
 
     def current_lambda(self) -> float:
