@@ -307,7 +307,7 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
     output_dir, so that rerunning an interrupted command continues it, unless `--restart`."""
     chosen = training_args.resume_from_checkpoint
     if chosen is not None and chosen.lower() not in ("true", "last"):
-        if not _is_complete_checkpoint(chosen):
+        if _trainer_state(chosen) is None:
             raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: not a complete Trainer checkpoint (no "
                                     f"readable {TRAINER_STATE_NAME} in it)")  # fmt: skip
         return chosen
@@ -344,8 +344,7 @@ def check_resumable(checkpoint: str, draft: DominoDraftModel) -> None:
 def finished_at(checkpoint: str, training_args: DominoTrainingArguments) -> bool:
     """Whether the checkpoint reached `--max_steps`, or `--num_train_epochs` without it: resumed there, Trainer has
     nothing left to train."""
-    with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as file:
-        state = json.load(file)
+    state = _trainer_state(checkpoint)
     if training_args.max_steps > 0:
         return state["global_step"] >= training_args.max_steps
     return (state.get("epoch") or 0) >= training_args.num_train_epochs
@@ -360,21 +359,21 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
              if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit()}  # fmt: skip
     for step in sorted(steps, reverse=True):
         folder = os.path.join(output_dir, steps[step])
-        if _is_complete_checkpoint(folder):
+        if _trainer_state(folder) is not None:
             return folder
         print(f"skipping {folder}: incomplete (no readable {TRAINER_STATE_NAME}; its save was cut short)",
               file=sys.stderr)  # fmt: skip
     return None
 
 
-def _is_complete_checkpoint(folder: str) -> bool:
-    """Whether Trainer finished saving `folder`: it writes `trainer_state.json` last, and not atomically."""
+def _trainer_state(folder: str) -> dict | None:
+    """The checkpoint's `trainer_state.json`; None unless Trainer finished saving `folder` (it writes that file last,
+    and not atomically: missing or unreadable, the save was cut short)."""
     try:
         with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as file:
-            json.load(file)
+            return json.load(file)
     except (OSError, ValueError):
-        return False
-    return True
+        return None
 
 
 def cache_features(argv: list[str]) -> None:
