@@ -116,9 +116,14 @@ class MetricMeans:
         return {name: round(value, 4) for name, value in zip(names, means.tolist())}
 
 
+def _torch_dataloader(dataloader):
+    """The torch DataLoader of what Trainer hands out: accelerate's wrapper, or the DataLoader itself."""
+    return getattr(dataloader, "base_dataloader", dataloader)
+
+
 def _workers_ignoring_stop_signals(dataloader):
     """`dataloader` (accelerate's wrapper or a torch DataLoader), its workers set to ignore stop signals."""
-    loader = getattr(dataloader, "base_dataloader", dataloader)  # the torch DataLoader inside accelerate's wrapper
+    loader = _torch_dataloader(dataloader)
     init = loader.worker_init_fn
     if getattr(init, "func", None) is not _ignore_stop_signals:  # Trainer may hand back a loader it cached
         loader.worker_init_fn = functools.partial(_ignore_stop_signals, init)
@@ -169,7 +174,7 @@ class DominoTrainer(Trainer):
         """Trainer's, with workers that leave stop signals to training and anchors fixed by the seed and each batch
         (not drawn from the training stream): scores of successive evaluations compare."""
         dataloader = _workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset))
-        loader = getattr(dataloader, "base_dataloader", dataloader)
+        loader = _torch_dataloader(dataloader)
         if isinstance(loader.collate_fn, DominoDataCollator):
             loader.collate_fn = replace(loader.collate_fn, anchor_seed=self.args.seed)
         return dataloader
