@@ -1107,12 +1107,13 @@ def _install_validation_hook() -> None:
     original = getattr(GenerationMixin, "_validate_generation_mode", None)
     if original is None or getattr(original, "_domino_hook", False):
         return
-    if "generation_mode_kwargs" not in inspect.signature(original).parameters:
+    signature = inspect.signature(original)
+    if "generation_mode_kwargs" not in signature.parameters:
         return
 
     @functools.wraps(original)
     def _validate_generation_mode(self, *args, **kwargs):
-        arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
+        arguments = signature.bind(self, *args, **kwargs).arguments
         assistant = (arguments.get("generation_mode_kwargs") or {}).get("assistant_model")
         check_target = getattr(assistant, "check_target", None)
         if callable(check_target) and hasattr(assistant, "get_candidate_generator"):
