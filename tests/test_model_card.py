@@ -31,6 +31,7 @@ BENCH = {
             "prompts": 5,
         },
     ],
+    "config": {"prompts": {"gsm-symbolic": 5}, "max_new_tokens": 256, "greedy": True},
     "machine": {"device": "cpu"},
     "versions": {"transformers": "5.24.0"},
 }
@@ -59,8 +60,12 @@ def test_card_has_metadata_usage_training_and_acceptance(tmp_path):
     text = card.text
     assert 'AutoModel.from_pretrained("me/smollm2-domino", trust_remote_code=True' in text
     assert "assistant_model=draft" in text and "speculative_generate(target, draft" in text
-    assert "--speculative-algorithm DFLASH" in text and "--speculative-draft-model-path me/smollm2-domino" in text
+    # SGLang cannot serve our own format: the card points it at the exported folder.
+    assert "--speculative-algorithm DFLASH" in text and "--speculative-draft-model-path OUT" in text
+    assert "domino-spec export --format sglang DRAFT_DIR OUT" in text
     assert "| gsm-symbolic | domino | 3.25 | 120.50 | 2.41x | 5/5 |" in text
+    assert "at most 256 new tokens, the first 5 prompts of each set" in text
+    assert "prompt-lookup (transformers' prompt lookup decoding)" in text
     assert "| global_step | 100 |" in text and "| last logged loss | 1.5 |" in text
     assert 'draft.push_to_hub("me/smollm2-domino")' in text
     assert json.loads((folder / "training_summary.json").read_text())["global_step"] == 100
@@ -74,6 +79,7 @@ def test_card_of_an_exported_folder_says_to_upload_it_as_is(tmp_path):
     export.export_sglang(str(folder), str(tmp_path / "sglang"))
     exported = ModelCard.load(tmp_path / "sglang" / "README.md").text
     assert "push_to_hub(" not in exported and "upload it as is" in exported
+    assert "--speculative-draft-model-path DRAFT_REPO_OR_DIR" in exported
     assert "`domino-spec card DRAFT_DIR --push-to-hub your-name/your-draft`" in exported
     assert 'upload_folder(folder_path="DRAFT_DIR", repo_id="your-name/your-draft")' in exported
     assert "`AutoModel.from_pretrained` reads this published-format folder from transformers 5.24 on" in exported
@@ -129,3 +135,28 @@ def test_card_command_writes_and_pushes_through_huggingface_hub(tmp_path, monkey
     card = ModelCard.load(folder / "README.md")
     assert card.data.license == "mit" and "| gsm-symbolic | plain |" in card.text
     assert calls == [("create", "me/draft"), ("upload", "me/draft", str(folder))]
+
+
+def test_pushing_a_train_output_folder_leaves_out_its_checkpoints(tmp_path, monkeypatch):
+    """`domino-spec train` writes checkpoint-N folders (optimizer state included) next to the final draft: the upload
+    of the folder is the draft, not the run."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    folder = _draft_folder(tmp_path)
+    (folder / "checkpoint-2").mkdir()
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        (folder / "checkpoint-2" / name).write_text("x")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):  # DIR may itself be a checkpoint
+        (folder / name).write_text("x")
+    uploads = []
+
+    def upload_folder(self, folder_path, repo_id, ignore_patterns=None, **kwargs):
+        files = [str(path.relative_to(folder_path)) for path in sorted(folder.rglob("*")) if path.is_file()]
+        uploads.append(list(filter_repo_objects(files, ignore_patterns=ignore_patterns)))
+
+    monkeypatch.setattr(model_card.HfApi, "create_repo", lambda self, repo_id, **kw: None)
+    monkeypatch.setattr(model_card.HfApi, "upload_folder", upload_folder)
+    cli_main(["card", str(folder), "--push-to-hub", "me/draft"])
+    (uploaded,) = uploads
+    assert {"README.md", "config.json", "model.safetensors", "modeling_domino.py"} <= set(uploaded)
+    assert not [name for name in uploaded if name.startswith("checkpoint-") or name.endswith((".pt", ".pth"))]

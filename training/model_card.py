@@ -43,6 +43,17 @@ SUMMARY_ARGUMENTS = (
     "training_time_test",
 )
 LOGGED_METRICS = ("loss", "loss_base", "loss_final", "lam", "acceptance_base", "acceptance_final")
+# The methods of `domino-spec bench` (generation/bench.py), as its results name them.
+BENCH_METHODS = {
+    "plain": "the target alone",
+    "prompt-lookup": "transformers' prompt lookup decoding",
+    "dflash": "a backbone-only (DFlash) draft",
+    "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
+    "domino": "the Domino draft in the native engine",
+}
+# What a folder upload leaves out: Trainer's checkpoints of the run and the state it resumes from (optimizer,
+# scheduler, RNG), which only training needs.
+UPLOAD_IGNORE_PATTERNS = ["checkpoint-*", "optimizer.pt", "scheduler.pt", "rng_state*.pth"]
 
 
 # ---------------------------------------------------------------------- inputs
@@ -149,8 +160,9 @@ def overview_section(config: DominoConfig, target: str) -> str:
     intro = (
         f"A speculative-decoding draft for `{target}`. The draft proposes a block of tokens in one parallel pass, "
         "conditioned on the target's hidden states; the target verifies the block in one forward pass and keeps the "
-        "longest agreeing prefix, so the output is exactly the target's own. The target's embeddings and LM head "
-        f"are used at call time and are not part of this checkpoint. Method: Domino ({PAPER})."
+        "drafts it accepts, so greedy output is exactly the target's own and sampled output follows the target's "
+        "distribution. The target's embeddings and LM head are used at call time and are not part of this checkpoint. "
+        f"Method: Domino ({PAPER})."
     )
     return f"{intro}\n\n{_table(rows)}"
 
@@ -194,17 +206,18 @@ print("mean acceptance length:", result.mean_acceptance_length)
         if config.use_domino_head
         else ""
     )
-    export_note = (
-        "This folder is in the published layout SGLang serves"
+    # SGLang serves the published layout only: a folder in our own format is served from its export.
+    export_note, served_path = (
+        ("This folder is in the published layout SGLang serves", repo_id)
         if published
-        else "A folder trained with domino-spec is first exported: domino-spec export --format sglang DRAFT_DIR OUT"
+        else ("SGLang serves the exported folder: domino-spec export --format sglang DRAFT_DIR OUT", "OUT")
     )
     sglang_snippet = f"""```bash
 # {export_note}
 python -m sglang.launch_server \\
     --model-path {target} \\
     --speculative-algorithm DFLASH \\
-    --speculative-draft-model-path {repo_id} \\
+    --speculative-draft-model-path {served_path} \\
     --speculative-num-draft-tokens {config.block_size} \\
     --dtype bfloat16 \\
     --trust-remote-code
@@ -291,10 +304,22 @@ def acceptance_section(bench: dict) -> str:
         f"{name}: `{json.dumps(bench[name], sort_keys=True)}`" for name in ("machine", "versions") if bench.get(name)
     ]
     return (
-        "## Acceptance and speed\n\nGreedy decoding.\n\n"
+        f"## Acceptance and speed\n\n{bench_settings(bench.get('config') or {})}\n\n"
         + "\n".join(lines)
         + ("\n\n" + "\n\n".join(notes) if notes else "")
     )
+
+
+def bench_settings(config: dict) -> str:
+    """What the acceptance table measured: `domino-spec bench`'s settings (its `config`) and its method names."""
+    settings = ["Greedy decoding (`domino-spec bench`)"]
+    if config.get("max_new_tokens"):
+        settings.append(f"at most {config['max_new_tokens']} new tokens")
+    prompts = config.get("prompts")
+    if isinstance(prompts, dict) and len(set(prompts.values())) == 1:
+        settings.append(f"the first {next(iter(prompts.values()))} prompts of each set")
+    methods = ", ".join(f"{name} ({what})" for name, what in BENCH_METHODS.items())
+    return f"{', '.join(settings)}. Speedup is over plain decoding of the same prompts. Methods: {methods}."
 
 
 # ---------------------------------------------------------------------- the card
@@ -343,10 +368,12 @@ def write_model_card(folder: str, training: dict | None = None, **card_kwargs) -
 
 
 def push_folder_to_hub(folder: str, repo_id: str, private: bool = False, token: str | None = None) -> str:
-    """Upload a draft folder (card included) to the Hub with huggingface_hub; returns the commit URL."""
+    """Upload a draft folder (card included) to the Hub with huggingface_hub, without the `checkpoint-N` folders and
+    resume state a `domino-spec train` output folder also holds; returns the commit URL."""
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    return str(api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message="Upload Domino draft"))
+    return str(api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message="Upload Domino draft",
+                                 ignore_patterns=UPLOAD_IGNORE_PATTERNS))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -358,7 +385,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--license", default=None, help=f"license tag (default: {DEFAULT_LICENSE})")
     parser.add_argument("--datasets", default=None, help="comma-separated Hub dataset ids used for training")
     parser.add_argument("--bench", default=None, help="a bench_results.json to copy into DIR and show")
-    parser.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload DIR to this Hub repo afterwards")
+    parser.add_argument(
+        "--push-to-hub", default=None, metavar="REPO",
+        help="upload DIR to this Hub repo afterwards (without checkpoint-N folders and optimizer state)",
+    )  # fmt: skip
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
     args = parser.parse_args(argv)
     bench_copy = os.path.join(args.folder, BENCH_RESULTS)
