@@ -470,7 +470,7 @@ def bench(argv: list[str]) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {METHODS}")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (quick runs)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--quality", action="store_true", help="also score plain and Domino outputs with evaluate")
+    parser.add_argument("--quality", action="store_true", help="also score every method's outputs with evaluate")
     parser.add_argument("--output", default="runs/bench", help="folder for bench_results.{json,md} and the figure")
     args = parser.parse_args(argv)
     from ..generation.demo import SHIPPED_DRAFT
