@@ -17,6 +17,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from itertools import zip_longest
 
 import torch
@@ -26,7 +27,14 @@ from tqdm.auto import tqdm
 from ..training.data import eos_token_ids, prompt_token_ids
 from .engine import pooled_position_rates, speculative_generate
 
-METHODS = ("plain", "prompt-lookup", "dflash", "domino-hf", "domino")
+# What each method decodes with, as results and model cards name it.
+METHODS = {
+    "plain": "the target alone",
+    "prompt-lookup": "transformers' prompt lookup decoding",
+    "dflash": "a backbone-only (DFlash) draft",
+    "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
+    "domino": "the Domino draft in the native engine",
+}
 NATIVE_METHODS = ("dflash", "domino")
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 WARMUP_TOKENS = 16  # an untimed decode per method before the timed ones
@@ -123,7 +131,7 @@ def run_bench(
     tokenizer,
     drafts: dict,
     prompts: dict[str, list[dict]],
-    methods: list[str] = METHODS,
+    methods: Sequence[str] = tuple(METHODS),
     max_new_tokens: int = 256,
     thinking: bool | None = None,
 ) -> dict:

@@ -17,6 +17,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 from .. import published_format
 from ..configuration_domino import DominoConfig
+from ..generation.bench import METHODS
 
 CARD_NAME = "README.md"
 TRAINING_SUMMARY = "training_summary.json"
@@ -43,14 +44,6 @@ SUMMARY_ARGUMENTS = (
     "training_time_test",
 )
 LOGGED_METRICS = ("loss", "loss_base", "loss_final", "lam", "acceptance_base", "acceptance_final")
-# The methods of `domino-spec bench` (generation/bench.py), as its results name them.
-BENCH_METHODS = {
-    "plain": "the target alone",
-    "prompt-lookup": "transformers' prompt lookup decoding",
-    "dflash": "a backbone-only (DFlash) draft",
-    "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
-    "domino": "the Domino draft in the native engine",
-}
 # What a folder upload leaves out: Trainer's checkpoints of the run and the state it resumes from (optimizer,
 # scheduler, RNG), which only training needs.
 UPLOAD_IGNORE_PATTERNS = ["checkpoint-*", "optimizer.pt", "scheduler.pt", "rng_state*.pth"]
@@ -318,7 +311,7 @@ def bench_settings(config: dict) -> str:
     prompts = config.get("prompts")
     if isinstance(prompts, dict) and len(set(prompts.values())) == 1:
         settings.append(f"the first {next(iter(prompts.values()))} prompts of each set")
-    methods = ", ".join(f"{name} ({what})" for name, what in BENCH_METHODS.items())
+    methods = ", ".join(f"{name} ({what})" for name, what in METHODS.items())
     return f"{', '.join(settings)}. Speedup is over plain decoding of the same prompts. Methods: {methods}."
 
 
