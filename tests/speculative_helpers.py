@@ -122,6 +122,14 @@ def exact_joint_distribution(
     return finished | frontier
 
 
+def first_tokens_distribution(exact: dict[tuple[int, ...], float], num_tokens: int) -> dict[tuple[int, ...], float]:
+    """The exact distribution of the outcomes' first `num_tokens` tokens (`outcome[:num_tokens]`)."""
+    marginal: dict[tuple[int, ...], float] = {}
+    for outcome, probability in exact.items():
+        marginal[outcome[:num_tokens]] = marginal.get(outcome[:num_tokens], 0.0) + probability
+    return marginal
+
+
 def until_eos(tokens: list[int], eos_token_id: int) -> tuple[int, ...]:
     """`tokens` up to and including the first EOS: the outcome `exact_joint_distribution` counts."""
     return tuple(tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens)
