@@ -14,6 +14,11 @@ Every check also tests the first `FIRST_ROUND` tokens alone (the prefill's token
 drafts): far fewer cells than the whole window, so more power against a bias in how one round accepts its drafts
 (a q that is not the distribution the drafts were drawn from). Two tests at alpha = 1e-4 each: a correct sampler
 fails a check with probability at most 2e-4, and never on rerun (fixed seeds make the statistic deterministic).
+
+The draft's side is also tested directly (`drawn_from_test`, alpha = 1e-4): each sampled draft, from `draft_block`
+and from the HF path's `get_candidates`, follows the softmax of the logits returned with it, the q that acceptance
+divides by. Processors on the draft side only change acceptance, never the output: what must hold is that q is the
+drafts' distribution.
 """
 
 import pytest
@@ -23,12 +28,14 @@ from speculative_helpers import (
     LIVE_TOKENS,
     chi_square_test,
     draft_from_scratch,
+    drawn_from_test,
     exact_joint_distribution,
     first_tokens_distribution,
     make_peaked,
     until_eos,
 )
 from transformers import (
+    GenerationConfig,
     LogitsProcessorList,
     MinPLogitsWarper,
     NoRepeatNGramLogitsProcessor,
@@ -45,6 +52,8 @@ EOS = LIVE_TOKENS[1]  # about half the sequences end at it, most inside a block
 NUM_NATIVE_SAMPLES = 4000  # one batched call: every row is one seed's run, rows finishing at different times
 NUM_HF_SAMPLES = 1500  # one generate call per seed
 NUM_HF_STRONG_HEAD_SAMPLES = 1000  # the bad draft rejects often: its bias would show sooner
+NUM_DRAFT_ROWS = 4000  # drafts of one context, in one batched draft_block call
+NUM_HF_CANDIDATE_DRAWS = 3000  # get_candidates calls (batch size 1)
 NUM_HF_STOP_SAMPLES = 1500  # the stop string takes an eighth of the mass: more samples for power
 FIRST_ROUND = 3  # tokens of the second check: the prefill's token and the first round's first two
 
@@ -146,6 +155,48 @@ def test_native_sampling_with_a_strong_head_matches_target_distribution(models, 
     assert 0.2 < float(output.position_acceptance_rates[0]) < 0.8, output.position_acceptance_rates
     outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
     assert_distributed_as(outcomes, exact, f"native sampling with a strong head ({name})")
+
+
+DRAFT_PROCESSORS = {
+    "plain-softmax": None,
+    "repetition_penalty-temperature-top_k": LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(1.3), TopKLogitsWarper(3)]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFT_PROCESSORS))
+def test_sampled_drafts_are_drawn_from_the_logits_they_report(models, strong_head_draft, name):
+    """The draft's side of exactness, for both paths: every draft is drawn from the softmax of the logits returned
+    with it (the head's corrected logits after the processors, which read the drafts so far), slot by slot.
+
+    Tested directly, with far more power than through the output: a q that is not the drafts' distribution biases
+    the output only by what it changes in acceptance."""
+    target, _, prompt = models
+    batch = prompt.expand(NUM_DRAFT_ROWS, -1)
+    block = draft_from_scratch(strong_head_draft, target, batch, do_sample=True, prefix_ids=batch,
+                               logits_processor=DRAFT_PROCESSORS[name], generator=torch.Generator().manual_seed(4))
+    statistic, bound = drawn_from_test(block.tokens, block.logits)
+    assert statistic < bound, f"sampled drafts ({name}): chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_hf_candidates_are_drawn_from_the_logits_they_return(models, strong_head_draft):
+    """The candidate generator's side of the HF path: transformers' speculative sampling divides by the softmax of
+    the logits `get_candidates` returns, so each candidate must be drawn from exactly that."""
+    target, _, prompt = models
+    input_ids = torch.cat([prompt, torch.tensor([[LIVE_TOKENS[2]]])], dim=-1)  # the prompt and the prefill's token
+    prefill = target(prompt, output_hidden_states=True)
+    config = GenerationConfig(do_sample=True, max_length=input_ids.shape[1] + NUM_TOKENS)
+    processors = DRAFT_PROCESSORS["repetition_penalty-temperature-top_k"]
+    torch.manual_seed(5)
+    tokens, logits = [], []
+    for _ in range(NUM_HF_CANDIDATE_DRAWS):  # a new generator each time: an empty draft cache, the same context
+        generator = strong_head_draft.get_candidate_generator(target, config, input_ids, logits_processor=processors)
+        candidates, candidate_logits = generator.get_candidates(input_ids, model_outputs=prefill)
+        tokens.append(candidates[0, input_ids.shape[1] :])
+        logits.append(candidate_logits[0])
+    statistic, bound = drawn_from_test(torch.stack(tokens), torch.stack(logits))
+    assert statistic < bound, f"HF-path candidates: chi-square {statistic:.1f} >= {bound:.1f}"
 
 
 def test_native_sampling_of_a_left_padded_batch_matches_each_prompt(models):
