@@ -122,6 +122,14 @@ def exact_joint_distribution(
     return finished | frontier
 
 
+def first_tokens_distribution(exact: dict[tuple[int, ...], float], num_tokens: int) -> dict[tuple[int, ...], float]:
+    """The exact distribution of the outcomes' first `num_tokens` tokens (`outcome[:num_tokens]`)."""
+    marginal: dict[tuple[int, ...], float] = {}
+    for outcome, probability in exact.items():
+        marginal[outcome[:num_tokens]] = marginal.get(outcome[:num_tokens], 0.0) + probability
+    return marginal
+
+
 def until_eos(tokens: list[int], eos_token_id: int) -> tuple[int, ...]:
     """`tokens` up to and including the first EOS: the outcome `exact_joint_distribution` counts."""
     return tuple(tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens)
@@ -137,9 +145,11 @@ def chi_square_critical(degrees_of_freedom: int, z: float) -> float:
 Z_ALPHA = 3.719
 
 
-def chi_square_test(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float], min_expected: float = 5.0):
-    """Pearson's chi-square goodness of fit of `samples` to `exact`, pooling outcomes expected fewer than
-    `min_expected` times (and unlisted outcomes) into one cell. Returns `(statistic, critical value at Z_ALPHA)`."""
+def chi_square_statistic(
+    samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float], min_expected: float = 5.0
+) -> tuple[float, int]:
+    """Pearson's chi-square statistic of `samples` against `exact`, pooling outcomes expected fewer than
+    `min_expected` times (and unlisted outcomes) into one cell. Returns `(statistic, degrees of freedom)`."""
     total = len(samples)
     counts: dict[tuple[int, ...], int] = {}
     for sample in samples:
@@ -156,5 +166,37 @@ def chi_square_test(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...],
         expected = max(pooled_probability * total, 1.0)
         statistic += (pooled_count - expected) ** 2 / expected
         degrees_of_freedom += 1
+    return statistic, degrees_of_freedom
+
+
+def chi_square_test(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float], min_expected: float = 5.0):
+    """Pearson's chi-square goodness of fit of `samples` to `exact` (`chi_square_statistic`). Returns
+    `(statistic, critical value at Z_ALPHA)`."""
+    statistic, degrees_of_freedom = chi_square_statistic(samples, exact, min_expected)
     return statistic, chi_square_critical(degrees_of_freedom, Z_ALPHA)
 
+
+def drawn_from_test(tokens: torch.Tensor, logits: torch.Tensor, min_group: int = 50) -> tuple[float, float]:
+    """Chi-square test that each drafted token was drawn from the softmax of the logits reported with it: the q that
+    exact speculative sampling divides by.
+
+    `tokens` `[N, S]` and `logits` `[N, S, V]` come from N independent drafts of the same context. Rows that drafted
+    the same tokens before slot s share slot s's distribution, so per slot the rows are grouped by that prefix and
+    each group of at least `min_group` rows is compared with its reported probabilities; the statistics and degrees
+    of freedom of all groups add up to one test. Returns `(statistic, critical value at Z_ALPHA)`.
+    """
+    statistic, degrees_of_freedom = 0.0, 0
+    for slot in range(tokens.shape[1]):
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for row, prefix in enumerate(tokens[:, :slot].tolist()):
+            groups.setdefault(tuple(prefix), []).append(row)
+        for rows in groups.values():
+            if len(rows) < min_group:
+                continue
+            group_logits = logits[rows, slot].float()  # [G, V]: one distribution, or the rows did not share one
+            torch.testing.assert_close(group_logits, group_logits[:1].expand_as(group_logits), atol=1e-4, rtol=0)
+            probs = group_logits[0].softmax(-1)
+            exact = {(token,): float(probs[token]) for token in probs.nonzero().flatten().tolist()}
+            group_statistic, group_freedom = chi_square_statistic([(int(t),) for t in tokens[rows, slot]], exact)
+            statistic, degrees_of_freedom = statistic + group_statistic, degrees_of_freedom + group_freedom
+    return statistic, chi_square_critical(degrees_of_freedom, Z_ALPHA)

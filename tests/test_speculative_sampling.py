@@ -9,14 +9,36 @@ pooled). The window covers the prefill's token, a first round's drafts and its b
 inside a block and the length limit cutting a round. The same test applied to the target's own
 `generate(do_sample=True)` checks the reference. A sampler that skipped the residual distribution, took the bonus
 token greedily or accepted every draft fails by a wide margin (the statistic is tens to hundreds of times the bound).
+
+Every check also tests the first `FIRST_ROUND` tokens alone (the prefill's token and the first round's first two
+drafts): far fewer cells than the whole window, so more power against a bias in how one round accepts its drafts
+(a q that is not the distribution the drafts were drawn from). Two tests at alpha = 1e-4 each: a correct sampler
+fails a check with probability at most 2e-4, and never on rerun (fixed seeds make the statistic deterministic).
+
+The draft's side is also tested directly (`drawn_from_test`, alpha = 1e-4): each sampled draft, from `draft_block`
+and from the HF path's `get_candidates`, follows the softmax of the logits returned with it, the q that acceptance
+divides by. Processors on the draft side only change acceptance, never the output: what must hold is that q is the
+drafts' distribution.
 """
 
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target, word_tokenizer
-from speculative_helpers import LIVE_TOKENS, chi_square_test, exact_joint_distribution, make_peaked, until_eos
+from speculative_helpers import (
+    LIVE_TOKENS,
+    chi_square_test,
+    draft_from_scratch,
+    drawn_from_test,
+    exact_joint_distribution,
+    first_tokens_distribution,
+    make_peaked,
+    until_eos,
+)
 from transformers import (
+    GenerationConfig,
     LogitsProcessorList,
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -29,7 +51,11 @@ NUM_TOKENS = 5  # max_new_tokens: the prefill's token, then three drafts and a b
 EOS = LIVE_TOKENS[1]  # about half the sequences end at it, most inside a block
 NUM_NATIVE_SAMPLES = 4000  # one batched call: every row is one seed's run, rows finishing at different times
 NUM_HF_SAMPLES = 1500  # one generate call per seed
+NUM_HF_STRONG_HEAD_SAMPLES = 1000  # the bad draft rejects often: its bias would show sooner
+NUM_DRAFT_ROWS = 4000  # drafts of one context, in one batched draft_block call
+NUM_HF_CANDIDATE_DRAWS = 3000  # get_candidates calls (batch size 1)
 NUM_HF_STOP_SAMPLES = 1500  # the stop string takes an eighth of the mass: more samples for power
+FIRST_ROUND = 3  # tokens of the second check: the prefill's token and the first round's first two
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +64,16 @@ def models():
     draft = tiny_draft(target)
     prompt = torch.tensor([[5, 60, 21, 99, 14, 33, 8, 71]])
     return target, draft, prompt
+
+
+def assert_distributed_as(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float], what: str) -> None:
+    """Chi-square tests of the whole outcomes and of their first `FIRST_ROUND` tokens, at alpha = 1e-4 each."""
+    for window in (None, FIRST_ROUND):
+        observed = samples if window is None else [sample[:window] for sample in samples]
+        expected = exact if window is None else first_tokens_distribution(exact, window)
+        statistic, bound = chi_square_test(observed, expected)
+        tokens = "all tokens" if window is None else f"first {window} tokens"
+        assert statistic < bound, f"{what}, {tokens}: chi-square {statistic:.1f} >= {bound:.1f}"
 
 
 def _outcomes(sequences: torch.Tensor, prompt_length: int, pad_token_id: int | None = None) -> list[tuple[int, ...]]:
@@ -73,8 +109,94 @@ def test_native_sampling_matches_target_distribution(models, name):
     assert 0.15 < float(rates[0]) < 0.95 and 0.05 < float(rates[1]) < 0.95, rates
     outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
     assert 0.1 < sum(outcome[-1] == EOS for outcome in outcomes) / len(outcomes) < 0.9  # EOS inside blocks, often
-    statistic, bound = chi_square_test(outcomes, exact)
-    assert statistic < bound, f"native speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+    assert_distributed_as(outcomes, exact, "native speculative sampling")
+
+
+@pytest.fixture(scope="module")
+def strong_head_draft(models):
+    """A deliberately bad draft whose Domino head matters: every slot corrected, residual weights x 150.
+
+    The head then moves a slot's distribution by a total variation of about 0.2 (the default random head: 0.005),
+    and the first draft is rejected in about 40% of rounds. Sampled drafts come from the corrected logits, so a q
+    taken from other logits (the base ones, unprocessed ones) biases the output. The candidate pool set here is for
+    greedy drafting only: sampling must draw from, and report, the whole vocabulary.
+    """
+    target, _, prompt = models
+    draft = tiny_draft(target, pure_draft_prefix_len=0, head_candidate_pool=3)
+    identity = LogitsProcessorList()  # a processor: the whole-vocabulary head loop, as in sampling
+
+    def first_slot():
+        return draft_from_scratch(draft, target, prompt, logits_processor=identity, prefix_ids=prompt).logits[:, 0]
+
+    weak = first_slot().softmax(-1)
+    with torch.no_grad():
+        draft.embed_proj[2].weight.mul_(150.0)
+    assert 0.5 * float((first_slot().softmax(-1) - weak).abs().sum()) > 0.1  # the head moves q
+    return draft
+
+
+STRONG_HEAD_SETTINGS = {
+    "plain-softmax": (dict(), LogitsProcessorList()),
+    "temperature-top_k": (
+        dict(temperature=1.5, top_k=2),
+        LogitsProcessorList([TemperatureLogitsWarper(1.5), TopKLogitsWarper(2)]),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STRONG_HEAD_SETTINGS))
+def test_native_sampling_with_a_strong_head_matches_target_distribution(models, strong_head_draft, name):
+    target, _, prompt = models
+    settings, processors = STRONG_HEAD_SETTINGS[name]
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
+    output = speculative_generate(target, strong_head_draft, prompt.expand(NUM_NATIVE_SAMPLES, -1),
+                                  max_new_tokens=NUM_TOKENS, do_sample=True, eos_token_id=EOS, pad_token_id=0,
+                                  generator=torch.Generator().manual_seed(2), **settings)
+    assert 0.2 < float(output.position_acceptance_rates[0]) < 0.8, output.position_acceptance_rates
+    outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
+    assert_distributed_as(outcomes, exact, f"native sampling with a strong head ({name})")
+
+
+DRAFT_PROCESSORS = {
+    "plain-softmax": None,
+    "repetition_penalty-temperature-top_k": LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(1.3), TopKLogitsWarper(3)]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFT_PROCESSORS))
+def test_sampled_drafts_are_drawn_from_the_logits_they_report(models, strong_head_draft, name):
+    """The draft's side of exactness, for both paths: every draft is drawn from the softmax of the logits returned
+    with it (the head's corrected logits after the processors, which read the drafts so far), slot by slot.
+
+    Tested directly, with far more power than through the output: a q that is not the drafts' distribution biases
+    the output only by what it changes in acceptance."""
+    target, _, prompt = models
+    batch = prompt.expand(NUM_DRAFT_ROWS, -1)
+    block = draft_from_scratch(strong_head_draft, target, batch, do_sample=True, prefix_ids=batch,
+                               logits_processor=DRAFT_PROCESSORS[name], generator=torch.Generator().manual_seed(4))
+    statistic, bound = drawn_from_test(block.tokens, block.logits)
+    assert statistic < bound, f"sampled drafts ({name}): chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_hf_candidates_are_drawn_from_the_logits_they_return(models, strong_head_draft):
+    """The candidate generator's side of the HF path: transformers' speculative sampling divides by the softmax of
+    the logits `get_candidates` returns, so each candidate must be drawn from exactly that."""
+    target, _, prompt = models
+    input_ids = torch.cat([prompt, torch.tensor([[LIVE_TOKENS[2]]])], dim=-1)  # the prompt and the prefill's token
+    prefill = target(prompt, output_hidden_states=True)
+    config = GenerationConfig(do_sample=True, max_length=input_ids.shape[1] + NUM_TOKENS)
+    processors = DRAFT_PROCESSORS["repetition_penalty-temperature-top_k"]
+    torch.manual_seed(5)
+    tokens, logits = [], []
+    for _ in range(NUM_HF_CANDIDATE_DRAWS):  # a new generator each time: an empty draft cache, the same context
+        generator = strong_head_draft.get_candidate_generator(target, config, input_ids, logits_processor=processors)
+        candidates, candidate_logits = generator.get_candidates(input_ids, model_outputs=prefill)
+        tokens.append(candidates[0, input_ids.shape[1] :])
+        logits.append(candidate_logits[0])
+    statistic, bound = drawn_from_test(torch.stack(tokens), torch.stack(logits))
+    assert statistic < bound, f"HF-path candidates: chi-square {statistic:.1f} >= {bound:.1f}"
 
 
 def test_native_sampling_of_a_left_padded_batch_matches_each_prompt(models):
@@ -87,8 +209,7 @@ def test_native_sampling_of_a_left_padded_batch_matches_each_prompt(models):
     outcomes = _outcomes(output.sequences, input_ids.shape[1], pad_token_id=0)
     for parity, row_prompt in enumerate([prompt, short_prompt]):
         exact = exact_joint_distribution(target, row_prompt, NUM_TOKENS, LogitsProcessorList(), eos_token_id=EOS)
-        statistic, bound = chi_square_test(outcomes[parity::2], exact)
-        assert statistic < bound, f"prompt {parity} of a padded batch: chi-square {statistic:.1f} >= {bound:.1f}"
+        assert_distributed_as(outcomes[parity::2], exact, f"prompt {parity} of a padded batch")
 
 
 def test_target_own_sampling_matches_reference(models):
@@ -99,8 +220,7 @@ def test_target_own_sampling_matches_reference(models):
                                 temperature=0.7, top_k=3, top_p=0.9, eos_token_id=EOS, pad_token_id=0)
     processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
-    statistic, bound = chi_square_test(_outcomes(sequences, prompt.shape[1], pad_token_id=0), exact)
-    assert statistic < bound, f"target.generate sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+    assert_distributed_as(_outcomes(sequences, prompt.shape[1], pad_token_id=0), exact, "target.generate sampling")
 
 
 def test_hf_path_sampling_matches_target_distribution(models):
@@ -122,8 +242,22 @@ def test_hf_path_sampling_matches_target_distribution(models):
                                     top_p=0.95, repetition_penalty=1.5, eos_token_id=EOS, pad_token_id=0,
                                     assistant_model=draft)
         samples += _outcomes(sequences, prompt.shape[1])
-    statistic, bound = chi_square_test(samples, exact)
-    assert statistic < bound, f"HF-path speculative sampling: chi-square {statistic:.1f} >= {bound:.1f}"
+    assert_distributed_as(samples, exact, "HF-path speculative sampling")
+
+
+def test_hf_path_sampling_with_a_strong_head_matches_target_distribution(models, strong_head_draft):
+    """The bad draft through generate(assistant_model=draft), with min-p and an id-dependent n-gram ban."""
+    target, _, prompt = models
+    processors = LogitsProcessorList([NoRepeatNGramLogitsProcessor(2), MinPLogitsWarper(0.2)])
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
+    samples = []
+    for seed in range(NUM_HF_STRONG_HEAD_SAMPLES):
+        torch.manual_seed(seed)
+        sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS, do_sample=True, top_k=0, min_p=0.2,
+                                    no_repeat_ngram_size=2, eos_token_id=EOS, pad_token_id=0,
+                                    assistant_model=strong_head_draft)
+        samples += _outcomes(sequences, prompt.shape[1])
+    assert_distributed_as(samples, exact, "HF-path sampling with a strong head")
 
 
 def test_hf_path_sampling_with_a_stop_string_matches_target_distribution(models):
