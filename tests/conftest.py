@@ -10,6 +10,30 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels (the fused head step) then run in Triton's interpreter, on CPU;
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported, which transformers' models do
 
+
+def _index_1_element_scalars_in_triton_interpreter() -> None:
+    """Triton's interpreter up to 3.6 (the GPU machine's) holds a kernel's int arguments as 1-element arrays and
+    converts them with `int(array)`, which NumPy >= 2.4 refuses, so every `range(0, rank, ...)` loop of the fused head
+    step fails there (triton-lang/triton#9171). Applies Triton's own later fix (#9172: squeeze first) to older ones."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no Triton: its tests skip
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_scalars", False):
+        return  # a Triton that no longer has this hook; or already wrapped
+
+    def patch_tensor_squeezing_scalars(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_tensor_squeezing_scalars.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_tensor_squeezing_scalars
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _index_1_element_scalars_in_triton_interpreter()
+
 from transformers import (  # noqa: E402
     Gemma3ForCausalLM,
     Gemma3TextConfig,
