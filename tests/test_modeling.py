@@ -438,6 +438,11 @@ def test_check_target_rejects_a_draft_on_another_device():
     draft = tiny_draft(target).to("meta")
     with pytest.raises(ValueError, match=r"the draft is on meta, the target's embedding layer is on cpu.*draft\.to\("):
         target.generate(torch.randint(0, 100, (1, 6)), assistant_model=draft, max_new_tokens=4, do_sample=False)
+    assert not target.config.tie_word_embeddings  # an LM head of its own, placed apart by a device_map
+    target.lm_head.to("meta")
+    with pytest.raises(ValueError, match=r"the draft is on cpu, the target's embedding layer is on cpu, the target's "
+                                         r"LM head is on meta"):  # fmt: skip
+        tiny_draft(target).check_target(target)
 
 
 def test_target_features_without_positions_or_as_a_tuple_name_the_fix():
