@@ -6,10 +6,13 @@ G GRU state, R rank of the logit residual.
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from domino_spec import DominoConfig, DominoContextCache, DominoDraftModel
+from domino_spec import assets
 from domino_spec.assets import record_hub_id
 from domino_spec.configuration_domino import default_target_layer_ids
 
@@ -430,6 +434,48 @@ def test_check_target_knows_a_converted_folder_by_the_hub_id_it_records(tmp_path
     draft.config.target_model_name = "org/Tiny-Base"
     with pytest.warns(UserWarning, match=r"built for org/Tiny-Base, and the target is .*targets/tiny"):
         draft.check_target(target)
+
+
+def test_a_folder_converted_before_hub_ids_were_recorded_gets_one_keeping_its_config_readable(tmp_path, monkeypatch):
+    monkeypatch.setattr(assets, "CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "targets" / "smollm2-135m"
+    tiny_target("qwen3").save_pretrained(folder)  # as an earlier version converted it: no `converted_from`
+    (folder / "config.json").chmod(0o644)
+    files = sorted(os.listdir(folder))
+    assert assets.target_dir("smollm2-135m") == str(folder)  # found converted: no GGUF package needed
+    config = json.loads((folder / "config.json").read_text())
+    assert config["converted_from"] == assets.TARGETS["smollm2-135m"].hub_id
+    # Written through a private temporary file: the config must stay readable by the other users of a shared cache.
+    assert stat.S_IMODE((folder / "config.json").stat().st_mode) == 0o644
+    assert sorted(os.listdir(folder)) == files
+
+
+@contextmanager
+def _read_only(folder: Path):
+    """`folder` read-only: by its mode, or for root, whom modes do not bind, by its config's immutable attribute."""
+    config = folder / "config.json"
+    folder.chmod(0o555)
+    immutable = False
+    try:
+        if os.access(folder, os.W_OK):
+            immutable = shutil.which("chattr") and subprocess.run(["chattr", "+i", config]).returncode == 0
+            if not immutable:
+                pytest.skip("cannot make a folder read-only for this user")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", config], check=True)
+        folder.chmod(0o755)
+
+
+def test_recording_the_hub_id_in_a_read_only_cache_leaves_the_folder_as_it_was(tmp_path):
+    """A shared cache may be read-only: the folder still loads, and drafts only warn of a name mismatch."""
+    folder = tmp_path / "tiny"
+    tiny_target("qwen3").save_pretrained(folder)
+    files, config = sorted(os.listdir(folder)), (folder / "config.json").read_text()
+    with _read_only(folder):
+        record_hub_id(str(folder), "org/Tiny-Instruct")
+    assert sorted(os.listdir(folder)) == files and (folder / "config.json").read_text() == config
 
 
 def test_check_target_rejects_a_draft_on_another_device():
