@@ -486,7 +486,7 @@ def test_resuming_picks_the_highest_complete_checkpoint(tmp_path, capsys):
         (tmp_path / f"checkpoint-{step}").mkdir()
         if step != 12:
             (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text('{"global_step": 1' if step == 14 else "{}")
-    for flags in ([], ["--resume_from_checkpoint", "true"]):
+    for flags in ([], ["--resume_from_checkpoint", "true"], ["--resume_from_checkpoint", "last"]):
         assert checkpoint_to_resume(parse_train_arguments(argv + flags)[1]) == str(tmp_path / "checkpoint-10")
         err = capsys.readouterr().err
         assert f"skipping {tmp_path / 'checkpoint-14'}: incomplete" in err and "checkpoint-12: incomplete" in err
@@ -603,6 +603,11 @@ def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tm
     assert not (tmp_path / "draft" / "checkpoint-3").exists()
     main(command + ["--num_train_epochs", "2"])  # 2 epochs of one step: what the checkpoint holds
     assert "already holds the draft of a finished run" in capsys.readouterr().out
+    (tmp_path / "draft" / "model.safetensors").unlink()  # as a kill after the last checkpoint, before the final save
+    main(command + ["--max_steps", "2"])
+    out = capsys.readouterr().out
+    assert "'loss'" not in out and f"saved the draft to {tmp_path / 'draft'}" in out
+    assert (tmp_path / "draft" / "model.safetensors").exists()
 
 
 def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
@@ -616,6 +621,10 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
     ]
     result = _run([DOMINO_SPEC, "trian"])
     assert result.returncode == 2 and "unknown command 'trian' (did you mean train?)" in result.stderr
+    for argv, status in (([], 2), (["--help"], 0)):  # no command is a mistake; asking for help is not
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == status, argv
     draft_dir = tmp_path / "draft_with_head"
     tiny_draft(tiny_target("llama")).save_pretrained(draft_dir)
     with pytest.raises(ValueError, match="--dflash .* has a Domino head"):
@@ -782,11 +791,18 @@ def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_
         mixed = entry["eval_lam"] * entry["eval_loss_base"] + (1 - entry["eval_lam"]) * entry["eval_loss_final"]
         assert abs(entry["eval_loss"] - mixed) < 1e-3 and entry["eval_acceptance_final"] >= 1, entry
 
-    capsys.readouterr()
+    assert '"eval"' not in capsys.readouterr().out  # scored during training: not once more after it
     main(["train", *flags, "--output", str(tmp_path / "draft_scored_after"), "--max_steps", "1"])
     out = capsys.readouterr().out
     scores = json.loads(out[out.rindex('{\n  "eval"') :])["eval"]
     assert scores["eval_lam"] == 0 and scores["eval_loss"] > 0  # once, after the last step
+    # The held-out examples' features are computed from them, not read from the store's examples of their indices.
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    draft = DominoDraftModel.from_pretrained(tmp_path / "draft_scored_after")
+    held_out = load_training_dataset(str(tmp_path / "held_out.jsonl")).remove_columns("index")
+    online = _trainer(tmp_path, target, draft, held_out, num_anchors=4).evaluate(held_out)
+    for name in ("eval_loss_base", "eval_loss_final"):
+        assert abs(online[name] - scores[name]) < 1e-3, (name, online[name], scores[name])
 
 
 def test_hooked_features_equal_output_hidden_states(family):
