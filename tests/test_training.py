@@ -309,6 +309,20 @@ def test_a_run_that_raises_gives_back_the_signal_handlers(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_first_ctrl_c_asks_for_a_checkpoint_and_a_second_interrupts_at_once():
+    from domino_spec.training.trainer import StopOnSignal
+
+    stop_on_signal = StopOnSignal()
+    stop_on_signal.on_train_begin(None, None, None)
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert stop_on_signal.received is signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        stop_on_signal.restore_handlers()
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     target = tiny_target("llama")
     # The same seed draws the same anchors in both runs (row by row, in the same order): they train the same blocks.
@@ -782,11 +796,12 @@ def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_
     main(["cache-features", *flags, "--output", str(tmp_path / "features")])
     flags += ["--features", str(tmp_path / "features"), "--eval_data", str(tmp_path / "held_out.jsonl")]
     main(["train", *flags, "--output", str(tmp_path / "draft"), "--max_steps", "4", "--eval_strategy", "steps",
-          "--eval_steps", "2", "--save_strategy", "steps", "--save_steps", "4"])  # fmt: skip
+          "--eval_steps", "2", "--per_device_eval_batch_size", "2", "--save_strategy", "steps",
+          "--save_steps", "4"])  # fmt: skip
     history = json.loads((tmp_path / "draft" / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
     evaluations = [entry for entry in history if "eval_loss" in entry]
     assert [entry["step"] for entry in evaluations] == [2, 4]
-    for entry in evaluations:  # the training loss and its metrics, at the lambda of the step
+    for entry in evaluations:  # the training loss and its metrics (means over 2 batches), at the lambda of the step
         assert entry["eval_lam"] == curriculum_lambda(entry["step"], 4)
         mixed = entry["eval_lam"] * entry["eval_loss_base"] + (1 - entry["eval_lam"]) * entry["eval_loss_final"]
         assert abs(entry["eval_loss"] - mixed) < 1e-3 and entry["eval_acceptance_final"] >= 1, entry
