@@ -103,6 +103,17 @@ def test_anchors_lie_inside_the_response():
     assert set(anchors[0].tolist()) <= {3, 4, 5}  # drawn with replacement to fill the row
 
 
+def test_seeded_anchors_are_fixed_per_batch_and_differ_between_batches():
+    """Evaluation anchors: the same batch gets the same anchors whatever was drawn before, and batches of the same
+    shape do not all score the same positions."""
+    examples = _random_examples(count=8, length=16, prompt_length=4)
+    collator = DominoDataCollator(pad_token_id=0, num_anchors=2, anchor_seed=0)
+    anchors = [collator([example])["anchor_positions"] for example in examples]
+    torch.rand(3)  # the global generator moves on
+    assert torch.equal(collator([examples[0]])["anchor_positions"], anchors[0])
+    assert len({tuple(positions[0].tolist()) for positions in anchors}) > 1
+
+
 # ---------------------------------------------------------------------- what a block sees
 
 
