@@ -575,6 +575,8 @@ SMALL_CONFIG = dict(
         (dict(target_layer_ids=[-1]), r"DominoConfig.target_layer_ids=\[-1\] is invalid"),
         (dict(target_layer_ids=[True, 3]), r"DominoConfig.target_layer_ids=\[True, 3\] is invalid"),
         (dict(hidden_size=True), r"DominoConfig.hidden_size=True is invalid: expected a positive integer"),
+        (dict(use_domino_head="false"), r"DominoConfig.use_domino_head='false' is invalid: expected a boolean"),
+        (dict(head_candidate_pool=101), r"DominoConfig.head_candidate_pool=101 is invalid: .* \[1, 100\]"),
         (dict(num_target_layers=2, num_hidden_layers=2), r"2 layers is too shallow .* 2-layer draft.*pass target_layer"),
         (dict(mask_token_id=100), r"DominoConfig.mask_token_id=100 is invalid: expected a token id in \[0, 99\]"),
         (dict(num_key_value_heads=3), r"DominoConfig.num_key_value_heads=3 is invalid: expected a divisor of"),
