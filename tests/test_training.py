@@ -665,6 +665,28 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
         main(["generate-data", "--target", "t", "--prompts", str(tmp_path / "promts.jsonl"), "--output", "o.jsonl"])
 
 
+def test_a_missing_asset_package_ends_in_one_line_unless_the_traceback_is_asked_for(tmp_path, monkeypatch, capsys):
+    from domino_spec import assets
+    from domino_spec.training.cli import run
+
+    monkeypatch.setattr(assets, "CACHE_DIR", str(tmp_path))  # not converted yet: its GGUF package is needed
+    absent = assets.GGUFTarget("absent.gguf", "0" * 64, "org/absent", ("absent-asset==1.0",), "absent_asset")
+    monkeypatch.setitem(assets.TARGETS, "absent", absent)
+    (tmp_path / "data.jsonl").write_text("")
+    argv = ["domino-spec", "train", "--target", "absent", "--data", str(tmp_path / "data.jsonl")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stopped:
+        run()
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
+        "domino-spec train: error: the package providing `absent_asset` is not installed: run `pip install --no-deps "
+        "absent-asset==1.0` (DOMINO_SPEC_TRACEBACK=1 shows where)\n"
+    )
+    monkeypatch.setenv("DOMINO_SPEC_TRACEBACK", "1")
+    with pytest.raises(assets.MissingAssetError):
+        run()
+
+
 def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):
     prompts = [{"id": f"p{i}", "prompt": f"question number {i}?"} for i in range(12)]
     _write_jsonl(tmp_path / "prompts.jsonl", prompts)
