@@ -659,6 +659,9 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="--init_from .*missing: no such folder"):
         (tmp_path / "data.jsonl").write_text("")
         main(["train", "--target", "t", "--data", str(tmp_path / "data.jsonl"), "--init_from", str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError, match="--eval_data .*held_out.jsonl: no such file"):  # before the target
+        main(["train", "--target", str(tmp_path / "no_target"), "--data", str(tmp_path / "data.jsonl"), "--eval_data",
+              str(tmp_path / "held_out.jsonl")])  # fmt: skip
     with pytest.raises(FileNotFoundError, match="--config .*recipe.yml: no such file"):
         main(["train", "--config", str(tmp_path / "recipe.yml")])
     with pytest.raises(FileNotFoundError, match="--prompts .*promts.jsonl: no such file or folder"):
