@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
 from speculative_helpers import OracleDraft
 
-from domino_spec.generation import speculative_generate
+from domino_spec.generation import pooled_position_rates, speculative_generate
 from domino_spec.generation.bench import METHODS, prompt_token_ids, run_bench, write_results
 from domino_spec.generation.quality import score_report
 
@@ -80,3 +80,8 @@ def test_bench_compares_with_plain_in_any_method_order_and_pools_the_engines_pos
         accepted, verified = output.position_accepted + accepted, output.position_verified + verified
     assert domino["position_acceptance"] == [round(a / v, 4) for a, v in zip(accepted.tolist(), verified.tolist())]
     assert min(domino["position_acceptance"]) > 0.5  # the oracle proposes padding only past EOS
+
+
+def test_a_draft_position_never_verified_has_no_acceptance_rate():
+    """Short runs (a budget cut inside the first block) verify no k-th draft: no rate, not a rate of 0."""
+    assert pooled_position_rates([3, 0, 0], [4, 2, 0]) == [0.75, 0.0, None]

@@ -8,7 +8,7 @@ from speculative_helpers import draft_from_scratch
 
 from domino_spec import DominoContextCache
 from domino_spec.generation import speculative_generate
-from domino_spec.head_domino import greedy_head
+from domino_spec.head_domino import greedy_head, head_block_inputs, head_slot_loop, slot_chooser
 
 
 def _target_and_draft(device: str = "cpu", **draft_fields):
@@ -144,6 +144,19 @@ def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_dra
     assert torch.equal(sampled().tokens, whole_vocabulary.tokens)
     banned = sampled(lambda ids, scores: scores.masked_fill(pool_tokens, float("-inf")))
     assert not pool_tokens.gather(1, banned.tokens[:, prefix:]).any()
+
+
+@torch.no_grad()
+def test_slot_loop_refuses_a_pooled_block_for_a_chooser(target_and_draft):
+    """A chooser (processor, sampler) sees whole-vocabulary logits: a pooled block has none to give it."""
+    target, draft = target_and_draft
+    embed_tokens = target.get_input_embeddings()
+    draft_hidden = torch.randn(2, draft.config.num_draft_tokens, draft.config.hidden_size)
+    base_logits = target.get_output_embeddings()(draft_hidden)
+    weights = draft._head_weights(embed_tokens, base_logits.dtype, pool_size=4)
+    block = head_block_inputs(base_logits, draft_hidden, embed_tokens(torch.tensor([5, 7])), weights, pool_size=4)
+    with pytest.raises(ValueError, match="A candidate pool is for greedy drafting"):
+        head_slot_loop(base_logits, block, weights, 0, slot_chooser(None, None, do_sample=False))
 
 
 @pytest.mark.parametrize("pool", [0, 4])

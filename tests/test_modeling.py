@@ -6,10 +6,13 @@ G GRU state, R rank of the logit residual.
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from domino_spec import DominoConfig, DominoContextCache, DominoDraftModel
+from domino_spec import assets
 from domino_spec.assets import record_hub_id
 from domino_spec.configuration_domino import default_target_layer_ids
 
@@ -432,12 +436,59 @@ def test_check_target_knows_a_converted_folder_by_the_hub_id_it_records(tmp_path
         draft.check_target(target)
 
 
+def test_a_folder_converted_before_hub_ids_were_recorded_gets_one_keeping_its_config_readable(tmp_path, monkeypatch):
+    monkeypatch.setattr(assets, "CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "targets" / "smollm2-135m"
+    tiny_target("qwen3").save_pretrained(folder)  # as an earlier version converted it: no `converted_from`
+    (folder / "config.json").chmod(0o644)
+    files = sorted(os.listdir(folder))
+    assert assets.target_dir("smollm2-135m") == str(folder)  # found converted: no GGUF package needed
+    config = json.loads((folder / "config.json").read_text())
+    assert config["converted_from"] == assets.TARGETS["smollm2-135m"].hub_id
+    # Written through a private temporary file: the config must stay readable by the other users of a shared cache.
+    assert stat.S_IMODE((folder / "config.json").stat().st_mode) == 0o644
+    assert sorted(os.listdir(folder)) == files
+
+
+@contextmanager
+def _read_only(folder: Path):
+    """`folder` read-only: by its mode, or for root, whom modes do not bind, by its config's immutable attribute."""
+    config = folder / "config.json"
+    folder.chmod(0o555)
+    immutable = False
+    try:
+        if os.access(folder, os.W_OK):
+            immutable = shutil.which("chattr") and subprocess.run(["chattr", "+i", config]).returncode == 0
+            if not immutable:
+                pytest.skip("cannot make a folder read-only for this user")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", config], check=True)
+        folder.chmod(0o755)
+
+
+def test_recording_the_hub_id_in_a_read_only_cache_leaves_the_folder_as_it_was(tmp_path):
+    """A shared cache may be read-only: the folder still loads, and drafts only warn of a name mismatch."""
+    folder = tmp_path / "tiny"
+    tiny_target("qwen3").save_pretrained(folder)
+    files, config = sorted(os.listdir(folder)), (folder / "config.json").read_text()
+    with _read_only(folder):
+        record_hub_id(str(folder), "org/Tiny-Instruct")
+    assert sorted(os.listdir(folder)) == files and (folder / "config.json").read_text() == config
+
+
 def test_check_target_rejects_a_draft_on_another_device():
     """Without a second accelerator here, the meta device stands in for one; decoding refuses before any compute."""
     target = tiny_target("qwen3")
     draft = tiny_draft(target).to("meta")
     with pytest.raises(ValueError, match=r"the draft is on meta, the target's embedding layer is on cpu.*draft\.to\("):
         target.generate(torch.randint(0, 100, (1, 6)), assistant_model=draft, max_new_tokens=4, do_sample=False)
+    assert not target.config.tie_word_embeddings  # an LM head of its own, placed apart by a device_map
+    target.lm_head.to("meta")
+    with pytest.raises(ValueError, match=r"the draft is on cpu, the target's embedding layer is on cpu, the target's "
+                                         r"LM head is on meta"):  # fmt: skip
+        tiny_draft(target).check_target(target)
 
 
 def test_target_features_without_positions_or_as_a_tuple_name_the_fix():
@@ -524,6 +575,8 @@ SMALL_CONFIG = dict(
         (dict(target_layer_ids=[-1]), r"DominoConfig.target_layer_ids=\[-1\] is invalid"),
         (dict(target_layer_ids=[True, 3]), r"DominoConfig.target_layer_ids=\[True, 3\] is invalid"),
         (dict(hidden_size=True), r"DominoConfig.hidden_size=True is invalid: expected a positive integer"),
+        (dict(use_domino_head="false"), r"DominoConfig.use_domino_head='false' is invalid: expected a boolean"),
+        (dict(head_candidate_pool=101), r"DominoConfig.head_candidate_pool=101 is invalid: .* \[1, 100\]"),
         (dict(num_target_layers=2, num_hidden_layers=2), r"2 layers is too shallow .* 2-layer draft.*pass target_layer"),
         (dict(mask_token_id=100), r"DominoConfig.mask_token_id=100 is invalid: expected a token id in \[0, 99\]"),
         (dict(num_key_value_heads=3), r"DominoConfig.num_key_value_heads=3 is invalid: expected a divisor of"),

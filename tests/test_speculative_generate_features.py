@@ -19,6 +19,13 @@ from domino_spec.generation import speculative_generate
 from domino_spec.modeling_domino import StopStringDraftMask, install_generate_hook
 
 
+# transformers 5.17 to 5.24 validate an assistant's vocabulary before building its candidate generator: hooked too.
+VALIDATES_ASSISTANTS = "generation_mode_kwargs" in inspect.signature(
+    getattr(GenerationMixin, "_validate_generation_mode", lambda: None)
+).parameters
+HOOKED_METHODS = ["_get_candidate_generator"] + (["_validate_generation_mode"] if VALIDATES_ASSISTANTS else [])
+
+
 @pytest.fixture(scope="module")
 def models():
     target = tiny_target("qwen3")
@@ -84,6 +91,9 @@ def test_stop_string_draft_mask_masks_exactly_the_completing_tokens(tokenizer):
     only_completing = torch.full((1, 128), float("-inf"))
     only_completing[0, 12] = 0.0  # e.g. after top-k: every token left completes the stop string
     assert torch.equal(mask(torch.tensor([[5, 17]]), only_completing), only_completing)  # then the block is cut
+    # Logits narrower than the tokenizer (tokens added without resizing the model): masked as far as they reach.
+    narrow = StopStringDraftMask(StopStringCriteria(tokenizer, ["7w1"]))(torch.tensor([[5, 17]]), torch.zeros(1, 110))
+    assert torch.isneginf(narrow[0]).nonzero().flatten().tolist() == list(range(100, 110))  # `w100` .. `w109`
 
 
 def test_streamer_and_return_dict(models):
@@ -103,10 +113,12 @@ def test_streamer_and_return_dict(models):
 
 def test_generate_hook_is_idempotent_and_keeps_other_assistants(models):
     target, _ = models
-    hooked = GenerationMixin._get_candidate_generator
-    assert getattr(hooked, "_domino_hook", False)
-    assert install_generate_hook() and GenerationMixin._get_candidate_generator is hooked
-    assert not getattr(hooked.__wrapped__, "_domino_hook", False), "the hook must wrap transformers' method once"
+    hooked = {name: getattr(GenerationMixin, name) for name in HOOKED_METHODS}
+    assert all(getattr(method, "_domino_hook", False) for method in hooked.values())
+    assert install_generate_hook()
+    for name, method in hooked.items():
+        assert getattr(GenerationMixin, name) is method
+        assert not getattr(method.__wrapped__, "_domino_hook", False), f"the hook must wrap {name} once"
     # An ordinary assistant (no get_candidate_generator) still takes transformers' own assisted decoding.
     assistant = tiny_target("qwen3", seed=9, num_hidden_layers=2)
     prompt = random_prompts(1, seed=6)[0]
@@ -115,6 +127,37 @@ def test_generate_hook_is_idempotent_and_keeps_other_assistants(models):
     assert torch.equal(output, reference)
     with pytest.raises(ValueError, match="different tokenizers"):  # transformers' own validation, unchanged
         target.generate(prompt, max_new_tokens=10, assistant_model=tiny_target("qwen3", vocab_size=256))
+
+
+@pytest.mark.skipif(not VALIDATES_ASSISTANTS, reason="this transformers validates no assistant vocabulary")
+def test_generate_hook_installs_whichever_hook_is_missing(models):
+    """On import, and after a copy of the model file (trust_remote_code) of a version that installed the candidate
+    generator's hook only: both hooks end up installed, and another vocabulary gets the draft's own error."""
+    _, draft = models
+    hooked = {name: getattr(GenerationMixin, name) for name in HOOKED_METHODS}
+    other = tiny_target("qwen3", vocab_size=256)
+    try:
+        for missing in (["_validate_generation_mode"], HOOKED_METHODS):
+            for name in missing:
+                setattr(GenerationMixin, name, hooked[name].__wrapped__)
+            assert install_generate_hook()
+            assert all(getattr(getattr(GenerationMixin, name), "_domino_hook", False) for name in HOOKED_METHODS)
+            with pytest.raises(ValueError, match=r"vocabulary of 256 rows \(draft expects 128\)"):
+                other.generate(random_prompts(1, seed=8)[0], max_new_tokens=5, assistant_model=draft)
+    finally:
+        for name, method in hooked.items():
+            setattr(GenerationMixin, name, method)
+
+
+def test_a_draft_built_for_another_name_warns_once_per_generate():
+    """The validation hook runs the draft's check only where transformers would refuse the assistant: the candidate
+    generator's check gives the name warning, once."""
+    target = tiny_target("qwen3")
+    target.name_or_path = "Qwen/Qwen3-8B"
+    draft = tiny_draft(target, target_model_name="Qwen/Qwen3-8B-Base")
+    with pytest.warns(UserWarning, match="built for Qwen/Qwen3-8B-Base") as record:
+        target.generate(random_prompts(1, seed=8)[0], max_new_tokens=5, assistant_model=draft)
+    assert sum("built for" in str(warning.message) for warning in record) == 1
 
 
 def test_static_cache_where_transformers_can_crop_it(models):
@@ -171,6 +214,17 @@ def test_a_draft_that_has_drafted_pickles_and_drafts_the_same_after(models):
     buffer.seek(0)
     copy = torch.load(buffer, weights_only=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=9, do_sample=False, assistant_model=copy), expected)
+
+
+def test_a_compiled_draft_pickles_as_an_eager_one():
+    """Compiled functions do not pickle: the copy drafts eagerly until `compile_drafting` is called on it."""
+    draft = tiny_draft(tiny_target("qwen3")).compile_drafting()  # compiles on first use: nothing compiled here
+    buffer = io.BytesIO()
+    torch.save(draft, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    assert draft.is_drafting_compiled and not copy.is_drafting_compiled
+    assert torch.equal(copy.fc.weight, draft.fc.weight)
 
 
 def test_native_errors(models):

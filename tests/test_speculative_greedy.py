@@ -275,6 +275,20 @@ def test_native_batch_refuses_sliding_window_target(family):
             assert torch.equal(output.sequences[row, width : width + num_new], expected[0, prompt.shape[1] :])
 
 
+def test_native_batch_counts_every_rounds_rejected_drafts_against_the_window():
+    """A window wider than prompt + max_new_tokens still slides over the holes once some rows accept whole blocks
+    and others none: refused (with the refusal removed, an oracle for row 0 alone gave row 1 wrong tokens here)."""
+    prompts = random_prompts(3, seed=8, min_length=2, max_length=9)
+    input_ids, attention_mask = left_pad(prompts, pad_token_id=127)
+    target = _sliding_window_target("gemma3", sliding_window=24)
+    max_new_tokens = 16
+    assert input_ids.shape[1] + max_new_tokens < 24
+    draft = tiny_draft(target)
+    max_slots = input_ids.shape[1] + max_new_tokens * (draft.config.num_draft_tokens + 1)
+    with pytest.raises(ValueError, match=f"wider than prompt \\+ max_new_tokens x \\(drafts \\+ 1\\) = {max_slots} "):
+        speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=max_new_tokens)
+
+
 def test_native_batch_refuses_recurrent_target():
     """A linear-attention state has absorbed a row's rejected drafts, and finished rows cannot leave it."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
