@@ -178,7 +178,12 @@ def test_static_cache_where_transformers_can_crop_it(models):
 def test_hf_path_errors(models):
     target, draft = models
     prompt = random_prompts(1, seed=8)[0]
-    with pytest.raises(ValueError, match="cache_implementation='offloaded_static' cannot be cropped"):
+    # ours names the setting; before 5.24 transformers rejects every static cache for assisted decoding first
+    if getattr(StaticLayer, "is_croppable", False):
+        refusal = "cache_implementation='offloaded_static' cannot be cropped"
+    else:
+        refusal = "not supported with Static cache"
+    with pytest.raises(ValueError, match=refusal):
         target.generate(prompt, max_new_tokens=5, assistant_model=draft, cache_implementation="offloaded_static")
     with pytest.raises(ValueError, match="num_return_sequences"):
         target.generate(prompt, max_new_tokens=5, do_sample=True, num_return_sequences=2, assistant_model=draft)
@@ -197,7 +202,7 @@ def test_hf_path_errors(models):
     prefix_cache = DynamicCache(config=target.config)
     with torch.no_grad():
         target(prompt[:, :-2], **{cache_name: prefix_cache})
-    with pytest.raises(ValueError, match="prefilled cache .* Pass the whole prompt without a cache"):
+    with pytest.raises(ValueError, match=f"prefilled {cache_name} .* Pass the whole prompt without a cache"):
         target.generate(prompt, max_new_tokens=5, assistant_model=draft, **{cache_name: prefix_cache})
     embeds = target.get_input_embeddings()(prompt)
     with pytest.raises(ValueError, match="needs the prompt as `input_ids` \\(with or without `inputs_embeds`\\)"):
