@@ -65,6 +65,31 @@ def test_stop_strings_inside_blocks(models, tokenizer):
         assert torch.equal(target.generate(prompt, assistant_model=draft, **kwargs), reference)
 
 
+def test_a_prompt_ending_in_a_stop_is_continued_as_plain_decoding_does(models, tokenizer):
+    """Plain decoding generates after a prompt that ends in EOS or in a stop string. Transformers 5.17 took the
+    prompt's own stop for the candidates' and generated nothing: the prefill's placeholder draft moves the check onto
+    a verified token. Both outcomes of the placeholder (EOS) are covered: the target's first token is the prompt's
+    last one (accepted), or not."""
+    target, draft = models
+    accepted = set()
+    for index, prompt in enumerate(random_prompts(12, seed=31)):
+        continuation = target.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1] :].tolist()
+        # Cut where the greedy continuation repeats a token (the next token is then the prompt's last), or after one.
+        repeats = [i + 1 for i in range(len(continuation) - 2) if continuation[i] == continuation[i + 1]]
+        cut = repeats[0] if repeats and index % 2 == 0 else 1
+        prompt = torch.cat([prompt, torch.tensor([continuation[:cut]])], dim=-1)
+        last = int(prompt[0, -1])
+        accepted.add(continuation[cut] == last)
+        for max_new_tokens in (1, 6):
+            for stop in (dict(eos_token_id=last), dict(stop_strings=[f"w{last:03d}"], tokenizer=tokenizer)):
+                kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, **stop)
+                reference = target.generate(prompt, **kwargs)
+                assert reference.shape[1] > prompt.shape[1]
+                output = target.generate(prompt, assistant_model=draft, **kwargs)
+                assert torch.equal(output, reference), (stop, max_new_tokens, prompt.tolist())
+    assert accepted == {True, False}
+
+
 def test_stop_string_completed_by_the_first_draft_while_sampling(tokenizer):
     """Regression: a stop string completed by the first draft leaves no candidates; sampling must not crash."""
     target = make_peaked(tiny_target("qwen3", seed=3))

@@ -55,6 +55,8 @@ NUM_HF_STRONG_HEAD_SAMPLES = 1000  # the bad draft rejects often: its bias would
 NUM_DRAFT_ROWS = 4000  # drafts of one context, in one batched draft_block call
 NUM_HF_CANDIDATE_DRAWS = 3000  # get_candidates calls (batch size 1)
 NUM_HF_STOP_SAMPLES = 1500  # the stop string takes an eighth of the mass: more samples for power
+NUM_EOS_PROMPT_TOKENS = 3  # the placeholder's round and one more
+NUM_HF_EOS_PROMPT_SAMPLES = 1000
 FIRST_ROUND = 3  # tokens of the second check: the prefill's token and the first round's first two
 
 
@@ -280,6 +282,22 @@ def test_hf_path_sampling_with_a_stop_string_matches_target_distribution(models)
         samples.append(generated[:1] if generated[0] == LIVE_TOKENS[1] else generated[:2])
     statistic, bound = chi_square_test(samples, exact)
     assert statistic < bound, f"HF-path sampling with a stop string: chi-square {statistic:.1f} >= {bound:.1f}"
+
+
+def test_hf_path_sampling_after_a_prompt_ending_in_eos_matches_target_distribution(models):
+    """The prefill's placeholder draft (EOS, one-hot q) is accepted with the target's probability of EOS and
+    otherwise replaced from the rest of the target's distribution: the output is the target's sampling."""
+    target, draft, prompt = models
+    prompt = torch.cat([prompt, torch.tensor([[EOS]])], dim=-1)
+    exact = exact_joint_distribution(target, prompt, NUM_EOS_PROMPT_TOKENS, LogitsProcessorList(), eos_token_id=EOS)
+    assert 0.05 < sum(probability for tokens, probability in exact.items() if tokens[0] == EOS) < 0.95  # both branches
+    samples = []
+    for seed in range(NUM_HF_EOS_PROMPT_SAMPLES):
+        torch.manual_seed(seed)
+        sequences = target.generate(prompt, max_new_tokens=NUM_EOS_PROMPT_TOKENS, do_sample=True, top_k=0,
+                                    eos_token_id=EOS, pad_token_id=0, assistant_model=draft)
+        samples += _outcomes(sequences, prompt.shape[1])
+    assert_distributed_as(samples, exact, "HF-path sampling after a prompt ending in EOS")
 
 
 def test_native_sampling_is_reproducible_with_a_generator(models):

@@ -14,7 +14,9 @@ import time
 
 import pytest
 import torch
+import transformers
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
+from packaging import version
 from transformers import AutoModelForCausalLM
 
 from domino_spec import DominoDraftModel
@@ -765,6 +767,9 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerun
     assert not (output / "model.safetensors").exists()  # no process saved a "final" draft
     assert "could not write the model card" not in log
     stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+    if version.parse(transformers.__version__) < version.parse("5.18"):
+        pytest.skip("transformers 5.17's Trainer restores a multi-process CPU run's optimizer state to 'cpu:N', which "
+                    "torch cannot load (fixed in 5.18; GPU runs map to 'cuda:N')")
 
     result = _run(command + ["--max_steps", str(stopped_at + 1)], env=TRAINING_ENVIRONMENT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -955,7 +955,7 @@ class DominoCandidateGenerator(CandidateGenerator):
     ):
         # The prefill is the target's own first step: it yields the prompt's features and the first anchor.
         if is_first_iteration:
-            return input_ids, None
+            return self._prefill_candidates(input_ids)
         num_candidates = min(self.draft.config.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
         if num_candidates <= 0:
             return input_ids, None
@@ -994,6 +994,29 @@ class DominoCandidateGenerator(CandidateGenerator):
         tokens = draft.tokens[:, :num_candidates].to(input_ids.device)
         logits = draft.logits[:, :num_candidates].to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), logits
+
+    def _prefill_candidates(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No drafts before the target has run, except a placeholder where the prompt itself ends in a stop.
+
+        Transformers 5.17 checks its stopping criteria on the candidates' last token: with none that is the prompt's,
+        and a prompt ending in EOS (or a stop string) then got no new token. The placeholder is a token that completes
+        no stop string (EOS where there is one: every version cuts after it), with all of the draft's probability;
+        the target verifies it like any draft (greedy matching, or rejection sampling against a one-hot q), so the
+        output stays exact on every version.
+        """
+        ends_in_stop = int(input_ids[0, -1]) in self.eos_token_ids
+        if self.stop_strings is not None:
+            ends_in_stop = ends_in_stop or bool(self.stop_strings(input_ids, None).any())
+        if not ends_in_stop:
+            return input_ids, None
+        vocab_size = self.lm_head.weight.shape[0]
+        for token in [*sorted(self.eos_token_ids), *range(vocab_size)]:
+            placeholder = torch.full_like(input_ids[:, -1:], token)  # [1, 1]
+            if self._cut_at_stop(input_ids, placeholder, 1) == 1:
+                break
+        logits = torch.full((1, 1, vocab_size), -torch.inf, device=input_ids.device)
+        logits[0, 0, token] = 0.0
+        return torch.cat([input_ids, placeholder], dim=-1), logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
         """Nothing to adapt: the block size is fixed (transformers 5.17's base class raises if not overridden)."""
