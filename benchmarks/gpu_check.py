@@ -177,9 +177,11 @@ def measure_variants(
 ) -> None:
     """`draft_cost.measure_draft` per head variant; compiled after `compile_drafting` (variants recompile the head)."""
     try:
-        for index, (pool, fused) in enumerate(head_variants(args)):
+        for pool, fused in head_variants(args):
             draft.config.head_candidate_pool, draft.config.fused_head_step = pool, fused
-            shared = not compiled and index == 0  # context update and argmax: the same for every variant
+            # Context update and argmax are the same for every variant: timed with the first that gets through
+            # them (the ratios of every variant need the argmax, so a first variant that fails must not lose it).
+            shared = "draft_argmax" not in timings
             suffix = variant_suffix(pool, fused, compiled)
             try:
                 timings |= draft_cost.measure_draft(draft, target, prefill, timer, suffix, shared, drafted)

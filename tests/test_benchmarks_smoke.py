@@ -102,6 +102,18 @@ def test_gpu_check_records_a_failing_variant_and_measures_the_others(tmp_path):
     assert "**pool2000 failed:**" in output.with_suffix(".md").read_text()
 
 
+def test_gpu_check_survives_a_failing_first_variant(tmp_path):
+    """The first variant also times the pieces every variant shares (the argmax every ratio needs): when it fails,
+    the next one times them, rather than the run crashing on the next report."""
+    results = load_benchmark("gpu_check").main([
+        "--target", "tiny", "--device", "cpu", "--no-compile", "--no-fused", "--draft-layers", "2", "--block-size",
+        "4", "--context", "16", "--head-pools", "2000", "8", "--repeats", "1", "--warmup", "0",
+        "--output", str(tmp_path / "gpu_check.json"),
+    ])  # fmt: skip
+    assert set(results["errors"]) == {"pool2000"} and set(results["variants"]) == {"pool8"}
+    assert results["timings_ms"]["draft_argmax"] > 0 and results["timings_ms"]["draft_context_update"] > 0
+
+
 def test_gpu_check_compares_each_compiled_or_fused_variant_with_its_eager_unfused_one():
     gpu_check = load_benchmark("gpu_check")
     block, other = torch.tensor([[5, 6, 7]]), torch.tensor([[5, 9, 7]])
