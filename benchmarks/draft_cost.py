@@ -324,6 +324,12 @@ def environment_line(environment: dict) -> str:
 
 def environment(device: str) -> dict[str, str | int]:
     accelerator = torch.cuda.get_device_name(device) if device.startswith("cuda") else "none"
+    try:  # Triton writes the kernels of compiled drafting on CUDA, and the fused head step
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
     return {
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -334,6 +340,7 @@ def environment(device: str) -> dict[str, str | int]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "triton": triton_version,
     }
 
 

@@ -34,7 +34,7 @@ def test_draft_cost_benchmark_writes_results(tmp_path):
     assert "| draft_round |" in result.stdout  # the printed table
 
     results = json.loads(output.read_text())
-    assert {"machine", "torch", "transformers"} <= set(results["environment"])
+    assert {"machine", "python", "torch", "transformers", "triton"} <= set(results["environment"])
     assert results["settings"]["block_size"] == 4 and results["settings"]["context"] == 32
     assert all(results["timings_ms"][name] > 0 for name in TIMINGS)
     assert all(results["ratios"][name] > 0 for name in RATIOS)
@@ -57,7 +57,7 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
         "--gru-input-table-mib", "0", "--profile-head",
     ])  # fmt: skip
     assert json.loads(output.read_text()) == json.loads(json.dumps(results))
-    assert {"machine", "accelerator", "torch", "transformers"} <= set(results["environment"])
+    assert {"machine", "accelerator", "python", "torch", "transformers", "triton"} <= set(results["environment"])
     timings = results["timings_ms"]
     assert all(timings[name] > 0 for name in TIMINGS)
     assert timings["draft_head_loop_pool8"] > 0 and timings["draft_round_pool8"] > 0
