@@ -59,15 +59,22 @@ class MethodRun:
         self.position_accepted = [a + b for a, b in zip_longest(self.position_accepted, accepted, fillvalue=0)]
         self.position_verified = [a + b for a, b in zip_longest(self.position_verified, verified, fillvalue=0)]
 
+    def tokens_per_s(self) -> float | None:
+        return self.new_tokens / self.seconds if self.seconds else None
+
     def summary(self, plain: "MethodRun") -> dict:
         tau = self.verified_tokens / self.verify_passes if self.verify_passes else float("nan")
+        tokens_per_s, plain_tokens_per_s = self.tokens_per_s(), plain.tokens_per_s()
         return {
             "prompts": self.prompts,
             "new_tokens": self.new_tokens,
             "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.new_tokens / self.seconds, 3) if self.seconds else None,
-            "speedup": round(plain.seconds / self.seconds, 3) if self.seconds else None,
+            "tokens_per_s": round(tokens_per_s, 3) if tokens_per_s else None,
+            # Throughput, not time, against plain's: a method whose outputs differ may decode more or fewer tokens.
+            "speedup": round(tokens_per_s / plain_tokens_per_s, 3) if tokens_per_s and plain_tokens_per_s else None,
             "mean_acceptance_length": round(tau, 3),
+            "verified_tokens": self.verified_tokens,  # tau = verified_tokens / verify_passes
+            "verify_passes": self.verify_passes,
             "position_acceptance": pooled_position_rates(self.position_accepted, self.position_verified),
             "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
             "identical": self.identical,
@@ -89,12 +96,19 @@ class ForwardCounter:
         self._handle.remove()
 
 
+def clock(device: torch.device) -> float:
+    """`time.perf_counter()` once the device's queued work is done, so a GPU decode is timed to its last kernel."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eos: list[int], run: MethodRun) -> list[int]:
     """Decode one prompt (batch 1) with `method`, adding its time and acceptance to `run`; returns the new tokens."""
     if method in NATIVE_METHODS:
-        start = time.perf_counter()
+        start = clock(input_ids.device)
         output = speculative_generate(target, drafts[method], input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        run.seconds += time.perf_counter() - start
+        run.seconds += clock(input_ids.device) - start
         tokens = output.sequences[0, input_ids.shape[1] :].tolist()[: output.num_new_tokens[0]]
         run.round_lengths += output.acceptance_lengths[0]
         run.add_position_counts(output.position_accepted.tolist(), output.position_verified.tolist())
@@ -107,7 +121,7 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
         "domino-hf": {"assistant_model": drafts.get("domino")},
     }[method]
     counter = ForwardCounter(target)
-    start = time.perf_counter()
+    start = clock(input_ids.device)
     sequences = target.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -117,7 +131,7 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
         pad_token_id=eos[0],
         **extra,
     )
-    run.seconds += time.perf_counter() - start
+    run.seconds += clock(input_ids.device) - start
     counter.close()
     tokens = sequences[0, input_ids.shape[1] :].tolist()
     prefill_counts = method != "prompt-lookup"
@@ -174,7 +188,10 @@ def run_bench(
     return {
         "results": results,
         "config": {"prompts": {n: len(p) for n, p in prompts.items()}, "max_new_tokens": max_new_tokens,
-                   "methods": list(methods), "greedy": True},
+                   "methods": list(methods), "greedy": True, "target": target.name_or_path,
+                   "drafts": {name: draft.name_or_path for name, draft in drafts.items() if draft is not None},
+                   "dtype": str(target.dtype).removeprefix("torch."),
+                   "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "warmup_tokens": WARMUP_TOKENS},
         "machine": machine_description(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "texts": {name: {m: runs[name][m].texts for m in methods} for name in eval_sets},
@@ -255,7 +272,8 @@ def write_results(report: dict, output_dir: str) -> dict[str, str]:
     with open(paths["results.json"], "w", encoding="utf-8") as file:
         json.dump(report, file, indent=1)
     header = (
-        f"Greedy, max_new_tokens={report['config']['max_new_tokens']}, prompts per set: {report['config']['prompts']}. "
+        f"Greedy, {report['config']['dtype']}, max_new_tokens={report['config']['max_new_tokens']}, prompts per set: "
+        f"{report['config']['prompts']}. "
         f"Machine: {report['machine']['processor']}, {report['machine']['cpu_threads']} threads, "
         f"{report['machine']['device']}; torch {report['versions']['torch']}, "
         f"transformers {report['versions']['transformers']}.\n\n"
