@@ -231,6 +231,7 @@ def environment(args, target, draft) -> dict:
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "draft": args.draft,
         "draft_parameters": sum(p.numel() for p in draft.parameters()),
+        "draft_layers": draft.config.num_hidden_layers,
         "block_size": draft.config.block_size,
     }
 
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
         for result in results[1:]:
             result.matches_plain = result.sequences == results[0].sequences
     settings = {key: getattr(args, key) for key in ("max_new_tokens", "batch_size", "do_sample", "temperature", "top_k",
-                                                    "top_p", "dtype", "device", "seed")}
+                                                    "top_p", "dtype", "device", "seed", "warmup", "prompts_file",
+                                                    "chat_template", "prompt_length")}
     settings["num_prompts"] = len(prompts)
     report = {"environment": environment(args, target, draft), "settings": settings, "results": summarize(results)}
     print(markdown_table(report["results"]))

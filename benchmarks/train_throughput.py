@@ -81,6 +81,8 @@ class _StepClock(transformers.TrainerCallback):
         self.times = times
 
     def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # on a GPU the step returns before its kernels finish
         self.times.append(time.perf_counter())
 
 

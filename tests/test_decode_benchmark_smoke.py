@@ -17,6 +17,7 @@ def test_decode_benchmark_smoke(tmp_path, capsys):
         assert row["new_tokens"] == 20 and row["tokens_per_second"] > 0 and row["mean_acceptance_length"] >= 1.0
         assert row["matches_plain"] in (None, True), row  # greedy decoding is lossless on every path
     assert report["environment"]["torch"] and report["environment"]["transformers"]
+    assert report["environment"]["draft_layers"] == 1 and report["settings"]["prompt_length"] == 6
     saved = json.loads((tmp_path / "smoke.json").read_text())
     assert saved["results"] == report["results"]
     assert "| native-domino |" in (tmp_path / "smoke.md").read_text()
