@@ -165,8 +165,12 @@ def measure(
         return timings
     timer.log(f"compile_drafting({args.compile_mode!r}): each variant's first call compiles")
     draft.compile_drafting(args.compile_mode)
+    # Each variant compiles the head again: past dynamo's recompile limit (8) one would silently run eager under a
+    # compiled name. Room for every variant, and a variant that still hits it fails (recorded in `errors`).
+    limit = max(torch._dynamo.config.recompile_limit, 2 * len(head_variants(args)))
     try:
-        measure_variants(draft, target, prefill, args, timer, report, timings, drafted, errors, compiled=True)
+        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+            measure_variants(draft, target, prefill, args, timer, report, timings, drafted, errors, compiled=True)
     finally:
         draft.compile_drafting(None)
     return timings

@@ -2,6 +2,7 @@
 results."""
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,31 @@ def test_gpu_check_survives_a_failing_first_variant(tmp_path):
     ])  # fmt: skip
     assert set(results["errors"]) == {"pool2000"} and set(results["variants"]) == {"pool8"}
     assert results["timings_ms"]["draft_argmax"] > 0 and results["timings_ms"]["draft_context_update"] > 0
+
+
+def test_gpu_check_compiles_every_variant_past_dynamos_recompile_limit(tmp_path, monkeypatch):
+    """Each compiled variant compiles the head again: with 9 of them, the last would pass dynamo's limit of 8 and be
+    timed eager under a compiled name. (The eager backend stands in for Inductor, to stay fast.)"""
+    compile_ = torch.compile
+    eager_compile = lambda fn, mode=None, dynamic=None: compile_(fn, backend="eager", dynamic=dynamic)  # noqa: E731
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    limit_hits = []
+    handler = logging.Handler()
+    handler.emit = lambda record: limit_hits.append(record) if "recompile_limit" in record.getMessage() else None
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    torch._dynamo.reset()  # no cache entries of other tests' compiled heads
+    logger.addHandler(handler)
+    try:
+        results = load_benchmark("gpu_check").main([
+            "--target", "tiny", "--device", "cpu", "--no-fused", "--draft-layers", "1", "--block-size", "2",
+            "--context", "8", "--head-pools", *map(str, range(9)), "--repeats", "1", "--warmup", "1",
+            "--output", str(tmp_path / "gpu_check.json"),
+        ])  # fmt: skip
+    finally:
+        logger.removeHandler(handler)
+        torch._dynamo.reset()
+    assert not results["errors"] and not limit_hits
+    assert len([name for name in results["variants"] if name.endswith("compiled")]) == 9
 
 
 def test_gpu_check_compares_each_compiled_or_fused_variant_with_its_eager_unfused_one():
