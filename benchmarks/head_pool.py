@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": os.path.relpath(draft_dir),
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
+        "dtype": str(target.dtype).removeprefix("torch."),  # target's, and the draft's (loaded in it)
         "environment": draft_cost.environment(str(target.device)),
         "rows": pool_acceptance(target, draft, prompts, args.pools, args.max_new_tokens),
     }
