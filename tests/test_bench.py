@@ -2,12 +2,13 @@
 
 import json
 
+import pytest
 import torch
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
 from speculative_helpers import OracleDraft
 
 from domino_spec.generation import pooled_position_rates, speculative_generate
-from domino_spec.generation.bench import METHODS, MethodRun, prompt_token_ids, run_bench, write_results
+from domino_spec.generation.bench import METHODS, NATIVE_METHODS, MethodRun, prompt_token_ids, run_bench, write_results
 from domino_spec.generation.quality import score_report
 
 
@@ -26,8 +27,11 @@ def test_bench_runs_every_method_and_writes_results(tmp_path):
         assert row["identical"] == row["prompts"] == len(prompts[name]), (name, method)  # lossless, all methods
         assert row["new_tokens"] > 0 and row["seconds"] > 0
         assert row["mean_acceptance_length"] >= 1.0
-    assert rows[("set-b", "plain")]["mean_acceptance_length"] == 1.0
-    assert rows[("set-b", "plain")]["speedup"] == 1.0
+    for plain in ("plain", "plain-native"):
+        assert rows[("set-b", plain)]["mean_acceptance_length"] == 1.0 and rows[("set-b", plain)]["speedup"] == 1.0
+    for method in METHODS:  # each engine against its own plain decoding
+        row, baseline = rows[("set-b", method)], rows[("set-b", "plain-native" if method in NATIVE_METHODS else "plain")]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / baseline["tokens_per_s"], abs=1e-3), method
     for row in rows.values():  # the raw counts tau is computed from
         assert row["mean_acceptance_length"] == round(row["verified_tokens"] / row["verify_passes"], 3)
     assert {"target", "drafts", "dtype"} <= set(report["config"]) and report["config"]["dtype"] == "float32"
@@ -51,7 +55,7 @@ def test_bench_results_show_the_quality_scores_of_bench_quality(tmp_path):
                           "reference": str(2 * i)} for i in range(2)],  # fmt: skip
         "mt-bench": [{"id": "m0", "messages": [{"role": "user", "content": "hello there"}], "reference": None}],
     }
-    report = run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "domino"], 6)
+    report = run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "plain-native", "domino"], 6)
     report["quality"] = score_report(report)
     markdown = open(write_results(report, str(tmp_path))["results.md"]).read()
     assert "| eval set | method | metric | score | outputs |" in markdown
@@ -73,7 +77,8 @@ def test_bench_compares_with_plain_in_any_method_order_and_pools_the_engines_pos
     prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, m, None)]) for m in messages]
     oracle.set_sequences([target.generate(ids, max_new_tokens=40, do_sample=False)[0].tolist() for ids in prompt_ids])
 
-    report = run_bench(target, tokenizer, {"domino": oracle.eval()}, prompts, ["domino", "plain"], max_new_tokens=9)
+    report = run_bench(target, tokenizer, {"domino": oracle.eval()}, prompts, ["domino", "plain", "plain-native"],
+                       max_new_tokens=9)
     domino = next(row for row in report["results"] if row["method"] == "domino")
     assert domino["identical"] == domino["prompts"] == 2  # plain is the reference though listed last
 
@@ -95,3 +100,12 @@ def test_bench_speedup_is_throughput_over_plains():
     (here 12.5 against 10 tokens/s, in less than half plain's time)."""
     plain, other = MethodRun(seconds=10.0, new_tokens=100), MethodRun(seconds=4.0, new_tokens=50)
     assert other.summary(plain)["speedup"] == 1.25 and plain.summary(plain)["speedup"] == 1.0
+
+
+def test_bench_refuses_native_methods_without_their_baseline():
+    target = tiny_target("llama")
+    prompts = {"set": [{"id": "0", "messages": [{"role": "user", "content": "hello"}], "reference": None}]}
+    with pytest.raises(ValueError, match="plain-native is the speedup baseline"):
+        run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "domino"], 4)
+    with pytest.raises(ValueError, match=r"\['dflash'\] need a draft"):
+        run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "plain-native", "dflash"], 4)
