@@ -312,7 +312,8 @@ def bench_settings(config: dict) -> str:
     if isinstance(prompts, dict) and len(set(prompts.values())) == 1:
         settings.append(f"the first {next(iter(prompts.values()))} prompts of each set")
     methods = ", ".join(f"{name} ({what})" for name, what in METHODS.items())
-    return f"{', '.join(settings)}. Speedup is over plain decoding of the same prompts. Methods: {methods}."
+    return (f"{', '.join(settings)}. Speedup is over plain decoding of the same prompts in the same loop "
+            f"(plain-native for the native engine's methods). Methods: {methods}.")
 
 
 # ---------------------------------------------------------------------- the card
