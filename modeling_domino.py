@@ -12,6 +12,7 @@ behind `target.generate(..., assistant_model=draft)`.
 
 import functools
 import inspect
+import itertools
 import os
 import warnings
 import weakref
@@ -1010,7 +1011,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         if not ends_in_stop:
             return input_ids, None
         vocab_size = self.lm_head.weight.shape[0]
-        for token in [*sorted(self.eos_token_ids), *range(vocab_size)]:
+        for token in itertools.chain(sorted(self.eos_token_ids), range(vocab_size)):  # EOS first, usually the one
             placeholder = torch.full_like(input_ids[:, -1:], token)  # [1, 1]
             if self._cut_at_stop(input_ids, placeholder, 1) == 1:
                 break

@@ -15,9 +15,8 @@ native engine reports its rounds; for transformers' paths the target's forward c
 import json
 import os
 import platform
-import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import zip_longest
 
 import torch
@@ -25,7 +24,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from ..training.data import eos_token_ids, prompt_token_ids
-from .engine import pooled_position_rates, speculative_generate
+from .engine import DeviceClock, pooled_position_rates, speculative_generate
 
 # What each method decodes with, as results and model cards name it.
 METHODS = {
@@ -100,20 +99,14 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def clock(device: torch.device) -> float:
-    """`time.perf_counter()` once the device's queued work is done, so a GPU decode is timed to its last kernel."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eos: list[int], run: MethodRun) -> list[int]:
     """Decode one prompt (batch 1) with `method`, adding its time and acceptance to `run`; returns the new tokens."""
+    clock = DeviceClock(input_ids.device)  # a GPU decode is timed to its last kernel
     if method in NATIVE_METHODS:
-        start = clock(input_ids.device)
+        start = clock()
         draft = drafts[DRAFT_OF[method]] if method in DRAFT_OF else None
         output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        run.seconds += clock(input_ids.device) - start
+        run.seconds += clock() - start
         tokens = output.sequences[0, input_ids.shape[1] :].tolist()[: output.num_new_tokens[0]]
         run.round_lengths += output.acceptance_lengths[0]
         run.add_position_counts(output.position_accepted.tolist(), output.position_verified.tolist())
@@ -123,10 +116,10 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
     extra = {
         "plain": {},
         "prompt-lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
-        "domino-hf": {"assistant_model": drafts.get("domino")},
+        "domino-hf": {"assistant_model": drafts.get(DRAFT_OF["domino-hf"])},
     }[method]
     counter = ForwardCounter(target)
-    start = clock(input_ids.device)
+    start = clock()
     sequences = target.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -136,7 +129,7 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
         pad_token_id=eos[0],
         **extra,
     )
-    run.seconds += clock(input_ids.device) - start
+    run.seconds += clock() - start
     counter.close()
     tokens = sequences[0, input_ids.shape[1] :].tolist()
     prefill_counts = method != "prompt-lookup"

@@ -89,7 +89,7 @@ class _Rows:
         return _Rows(*(pick(getattr(self, name)) for name in self.__dataclass_fields__))
 
 
-class _Clock:
+class DeviceClock:
     """Wall-clock seconds that wait for the accelerator, so per-phase times are honest on CUDA."""
 
     def __init__(self, device: torch.device):
@@ -261,7 +261,7 @@ def speculative_generate(
     attention_mask = _check_inputs(target, draft, input_ids, attention_mask, max_new_tokens, streamer)
     setup, pad_token_id = _make_setup(target, draft, input_ids.device, max_new_tokens, do_sample, temperature, top_k,
                                       top_p, eos_token_id, pad_token_id, generator)
-    clock = _Clock(input_ids.device)
+    clock = DeviceClock(input_ids.device)
     start = clock()
     record = _Record(input_ids.shape[0], setup, pad_token_id, input_ids.device)
     max_slots = input_ids.shape[1] + max_new_tokens * (setup.num_drafts + 1)  # every round's rejected drafts kept

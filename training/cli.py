@@ -459,7 +459,7 @@ def demo(argv: list[str]) -> None:
 
 
 def bench(argv: list[str]) -> None:
-    from ..generation.bench import METHODS, run_bench, write_results
+    from ..generation.bench import DRAFT_OF, METHODS, run_bench, write_results
     from ..generation.eval_sets import EVAL_SETS, eval_prompts
 
     parser = argparse.ArgumentParser(prog="domino-spec bench", description="Evaluation sets x decoding methods, greedy.")
@@ -479,8 +479,9 @@ def bench(argv: list[str]) -> None:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    needed = {DRAFT_OF[method] for method in methods if method in DRAFT_OF}
     folders = {name: folder for name, folder in (("domino", args.domino or SHIPPED_DRAFT), ("dflash", args.dflash))
-               if folder and any(method.startswith(name) for method in methods)}  # fmt: skip
+               if folder and name in needed}  # fmt: skip
     for name, folder in folders.items():
         check_draft_folder(folder, f"--{name}")
     if "dflash" in folders and draft_config(folders["dflash"])[0].use_domino_head:
