@@ -41,6 +41,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from domino_spec import DominoContextCache, DominoDraftModel
+from domino_spec.head_step_triton import triton
 
 # Layer shapes of real targets (random weights): `<name>-shapes` times what the named model would cost.
 PRESETS = {
@@ -324,12 +325,6 @@ def environment_line(environment: dict) -> str:
 
 def environment(device: str) -> dict[str, str | int]:
     accelerator = torch.cuda.get_device_name(device) if device.startswith("cuda") else "none"
-    try:  # Triton writes the kernels of compiled drafting on CUDA, and the fused head step
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
     return {
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -340,7 +335,8 @@ def environment(device: str) -> dict[str, str | int]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "triton": triton_version,
+        # Triton writes the kernels of compiled drafting on CUDA, and the fused head step
+        "triton": triton.__version__ if triton is not None else "none",
     }
 
 
