@@ -119,7 +119,8 @@ def target_dir(name: str) -> str:
 
     path = gguf_path(name)
     directory, filename = os.path.split(path)
-    print(f"converting {filename} to safetensors in {folder} (once)")
+    print(f"converting {filename} to an fp32 safetensors folder in {folder} (once; 4 bytes per parameter on disk)",
+          flush=True)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
     # A GGUF-loaded model carries its quantizer; the weights are already dequantised to fp32.

@@ -138,6 +138,14 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
     return tokens
 
 
+def with_baselines(methods: Sequence[str]) -> list[str]:
+    """`methods` with the plain decodings they are measured against, added where missing: `plain` (the reference
+    of every output check and the speedup baseline of transformers' paths) and, for the native engine's methods,
+    `plain-native`."""
+    needed = ["plain"] + (["plain-native"] if set(methods) & set(NATIVE_METHODS) else [])
+    return [*(baseline for baseline in needed if baseline not in methods), *methods]
+
+
 def run_bench(
     target,
     tokenizer,
@@ -147,14 +155,12 @@ def run_bench(
     max_new_tokens: int = 256,
     thinking: bool | None = None,
 ) -> dict:
-    """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`); returns what `write_results` writes."""
+    """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`), with the baselines they need added
+    (`with_baselines`); returns what `write_results` writes."""
     missing = [m for m in methods if m in DRAFT_OF and drafts.get(DRAFT_OF[m]) is None]
     if missing:
         raise ValueError(f"methods {missing} need a draft: pass --domino DIR and/or --dflash DIR, or drop them")
-    if "plain" not in methods:
-        raise ValueError("the plain method is the baseline of every speedup and output check; keep it in --methods")
-    if "plain-native" not in methods and set(methods) & set(NATIVE_METHODS):
-        raise ValueError("plain-native is the speedup baseline of the native engine's methods; keep it in --methods")
+    methods = with_baselines(methods)
     eos = eos_token_ids(target, tokenizer)
     eval_sets = list(prompts)
     runs = {name: {method: MethodRun() for method in methods} for name in eval_sets}

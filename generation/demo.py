@@ -13,24 +13,34 @@ SHIPPED_DRAFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 DEFAULT_QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 
+def stage(message: str) -> None:
+    """Say what the demo is doing before a step that takes a while."""
+    print(f"[demo] {message}", flush=True)
+
+
 def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, max_new_tokens: int = 256) -> None:
     """SmolLM2-135M-Instruct with the shipped Domino draft: stream the answer, then time plain decoding too."""
     from ..assets import load_target
     from ..training.data import prompt_token_ids
 
+    stage("loading the target, SmolLM2-135M-Instruct in fp32 (the first run converts the asset's GGUF file once)")
     target, tokenizer = load_target("smollm2-135m")
+    stage(f"loading the draft from {draft_dir}")
     draft = DominoDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
     input_ids = torch.tensor([prompt_token_ids(tokenizer, [{"role": "user", "content": question}])])
+    stage("warming up speculative and plain decoding (untimed)")
     for warmup_draft in (draft, None):  # untimed: each path's first-call costs (its own shapes) out of the timings
         speculative_generate(target, warmup_draft, input_ids, max_new_tokens=8)
     print(f"user: {question}\nassistant: ", end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     speculative = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, streamer=streamer)
+    print(flush=True)
+    stage("timing plain decoding of the same prompt, for the speedup")
     plain = speculative_generate(target, None, input_ids, max_new_tokens=max_new_tokens)
     same = torch.equal(speculative.sequences, plain.sequences)
     tokens = speculative.num_new_tokens[0]
     print(
-        f"\n{tokens} tokens | mean acceptance length {speculative.mean_acceptance_length:.2f} | "
+        f"{tokens} tokens | mean acceptance length {speculative.mean_acceptance_length:.2f} | "
         f"Domino {tokens / speculative.total_time:.1f} tok/s vs plain {tokens / plain.total_time:.1f} tok/s "
         f"(speedup {plain.total_time / speculative.total_time:.2f}x) | identical to plain decoding: {same}"
     )

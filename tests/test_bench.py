@@ -8,7 +8,15 @@ from conftest import tiny_draft, tiny_target, tiny_tokenizer
 from speculative_helpers import OracleDraft
 
 from domino_spec.generation import pooled_position_rates, speculative_generate
-from domino_spec.generation.bench import METHODS, NATIVE_METHODS, MethodRun, prompt_token_ids, run_bench, write_results
+from domino_spec.generation.bench import (
+    METHODS,
+    NATIVE_METHODS,
+    MethodRun,
+    prompt_token_ids,
+    run_bench,
+    with_baselines,
+    write_results,
+)
 from domino_spec.generation.quality import score_report
 
 
@@ -102,10 +110,14 @@ def test_bench_speedup_is_throughput_over_plains():
     assert other.summary(plain)["speedup"] == 1.25 and plain.summary(plain)["speedup"] == 1.0
 
 
-def test_bench_refuses_native_methods_without_their_baseline():
+def test_bench_adds_the_baselines_a_method_needs_and_refuses_a_method_without_its_draft():
     target = tiny_target("llama")
     prompts = {"set": [{"id": "0", "messages": [{"role": "user", "content": "hello"}], "reference": None}]}
-    with pytest.raises(ValueError, match="plain-native is the speedup baseline"):
-        run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "domino"], 4)
+    report = run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["domino"], 4)
+    assert [row["method"] for row in report["results"]] == ["plain", "plain-native", "domino"]
+    assert report["config"]["methods"] == ["plain", "plain-native", "domino"]
+    assert with_baselines(["prompt-lookup"]) == ["plain", "prompt-lookup"]
+    assert with_baselines(["plain-native", "dflash", "plain"]) == ["plain-native", "dflash", "plain"]
     with pytest.raises(ValueError, match=r"\['dflash'\] need a draft"):
         run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "plain-native", "dflash"], 4)
+

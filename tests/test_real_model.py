@@ -60,3 +60,14 @@ def test_padded_batch_on_the_real_target(smollm2):
         alone = speculative_generate(target, draft, torch.tensor([prompt]), max_new_tokens=32)
         generated = batch.sequences[row, input_ids.shape[1] :][: batch.num_new_tokens[row]]
         assert torch.equal(generated, alone.sequences[0, len(prompt) :][: alone.num_new_tokens[0]])
+
+
+def test_demo_says_what_it_is_doing_at_each_stage(capsys):
+    from domino_spec.generation.demo import run_demo
+
+    run_demo(question="What is 2 + 3?", max_new_tokens=16)
+    lines = capsys.readouterr().out.splitlines()
+    stages = [line for line in lines if line.startswith("[demo] ")]
+    assert [stage.split()[1] for stage in stages] == ["loading", "loading", "warming", "timing"]
+    assert lines.index(stages[2]) < next(i for i, line in enumerate(lines) if line.startswith("user: "))
+    assert "identical to plain decoding: True" in lines[-1]

@@ -467,7 +467,11 @@ def bench(argv: list[str]) -> None:
     parser.add_argument("--domino", default=None, help="Domino draft folder (default: the shipped SmolLM2 draft)")
     parser.add_argument("--dflash", default=None, help="DFlash-only draft folder (head off), for the dflash method")
     parser.add_argument("--eval-sets", default=",".join(EVAL_SETS), help=f"comma-separated from {EVAL_SETS}")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {', '.join(METHODS)}")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS),
+        help=f"comma-separated from {', '.join(METHODS)}; the plain decodings a method is measured against (plain, "
+        "and plain-native for the native engine's methods) are added when missing",
+    )  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (quick runs)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--quality", action="store_true", help="also score every method's outputs with evaluate")
