@@ -22,6 +22,10 @@ def default_target_layer_ids(num_target_layers: int, num_tapped_layers: int) -> 
     return [round(FIRST_TAPPED_LAYER + i * span / (num_tapped_layers - 1)) for i in range(num_tapped_layers)]
 
 
+# Drafting options older configs saved (now `DraftingOptions`): dropped when such a config is read.
+RUN_TIME_OPTIONS = ("head_candidate_pool", "fused_head_step", "gru_input_table_max_bytes")
+
+
 def _is_integer(value) -> bool:
     """An int, not a bool: `True` is an int in Python, and `[True, 3]` as layer ids is a mistake, not layer 1."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -47,7 +51,7 @@ class DominoConfig(PretrainedConfig):
     >>> from domino_spec import DominoConfig, DominoDraftModel
     >>> config = DominoConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
     ...                       num_key_value_heads=2, head_dim=16, vocab_size=100, num_target_layers=4,
-    ...                       mask_token_id=99, gru_hidden_dim=32, emb_dim=8)
+    ...                       mask_token_id=99, gru_hidden_dim=32, residual_rank=8)
     >>> model = DominoDraftModel(config)
     ```
     """
@@ -85,15 +89,18 @@ class DominoConfig(PretrainedConfig):
     # Domino head: GRU over the block's tokens + low-rank residual on the logits
     use_domino_head: bool = True  # False gives the DFlash backbone alone
     gru_hidden_dim: int = 1024  # GRU state width
-    emb_dim: int = 256  # rank of the logit residual
-    pure_draft_prefix_len: int = 1  # the first drafts use base logits only
+    residual_rank: int = 256  # rank of the logit residual (the published `emb_dim`)
+    first_corrected_slot: int = 1  # slots before it keep the backbone's logits (the published `pure_draft_prefix_len`)
 
-    # Inference-time options of the head loop (no effect on weights or training)
-    head_candidate_pool: int = 0  # >0: correct only the K best base tokens per slot (0 = whole vocabulary)
-    fused_head_step: bool = False  # greedy pooled drafting on CUDA: one Triton kernel per slot (needs a pool)
-    gru_input_table_max_bytes: int = 256 * 2**20  # precompute E @ W_ih^T for the vocabulary when at most this big
+    # Draft vocabulary: the tokens the draft may propose, its most frequent ones (`draft_vocab` in the weights)
+    draft_vocab_size: int | None = None  # None: the whole vocabulary
+
+    # The published checkpoint format's names of our fields, still read from older configs.
+    attribute_map = {"emb_dim": "residual_rank", "pure_draft_prefix_len": "first_corrected_slot"}
 
     def __post_init__(self, **kwargs):
+        for name in RUN_TIME_OPTIONS:  # older configs saved the drafting options: they are arguments now
+            kwargs.pop(name, None)
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:
@@ -128,7 +135,7 @@ class DominoConfig(PretrainedConfig):
             "num_target_layers",
             "vocab_size",
             "gru_hidden_dim",
-            "emb_dim",
+            "residual_rank",
         ):
             value = getattr(self, field)
             _check(_is_integer(value) and value > 0, field, value, "a positive integer")
@@ -165,30 +172,20 @@ class DominoConfig(PretrainedConfig):
             f"a token id in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size})",
         )
         _check(
-            _is_integer(self.pure_draft_prefix_len) and 0 <= self.pure_draft_prefix_len <= self.num_draft_tokens,
-            "pure_draft_prefix_len",
-            self.pure_draft_prefix_len,
+            _is_integer(self.first_corrected_slot) and 0 <= self.first_corrected_slot <= self.num_draft_tokens,
+            "first_corrected_slot",
+            self.first_corrected_slot,
             f"an integer in [0, {self.num_draft_tokens}] (the number of drafts per block)",
         )
         _check(
+            self.draft_vocab_size is None or (_is_integer(self.draft_vocab_size) and
+                                              0 < self.draft_vocab_size <= self.vocab_size),
+            "draft_vocab_size",
+            self.draft_vocab_size,
+            f"None (the whole vocabulary) or a size in [1, {self.vocab_size}] (vocab_size={self.vocab_size})",
+        )
+        _check(
             0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
-        )
-        self.check_inference_options()
-
-    def check_inference_options(self) -> None:
-        """Raise `ValueError` naming the first invalid inference-time option of the head loop. They are meant to be
-        set on a loaded draft (`draft.config.head_candidate_pool = 32`), so drafting checks them again."""
-        _check(
-            _is_integer(self.head_candidate_pool) and 0 <= self.head_candidate_pool <= self.vocab_size,
-            "head_candidate_pool",
-            self.head_candidate_pool,
-            f"0 (off) or a pool size in [1, {self.vocab_size}]",
-        )
-        _check(
-            isinstance(self.fused_head_step, bool) and (self.head_candidate_pool > 0 or not self.fused_head_step),
-            "fused_head_step",
-            self.fused_head_step,
-            "False, or True together with head_candidate_pool > 0 (the fused step corrects a candidate pool)",
         )
 
 

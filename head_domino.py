@@ -1,15 +1,25 @@
-"""The Domino head at inference: a GRU over the block's tokens and a low-rank logit residual, slot by slot.
+"""The Domino head: a GRU over the block's tokens and a low-rank residual on the backbone's logits (paper eq. 2-3).
 
-Split into weight layouts (`DominoHeadWeights`, derived once per weight version by the model), per-block inputs
-(`head_block_inputs`) and the slot loop (`head_slot_loop`). Tensors in, tensors out: the greedy head (`greedy_head`)
-has no Python callback, so `DominoDraftModel.compile_drafting` can capture it in one graph (`CompiledDrafting`).
+Slot s of a block predicts the token at anchor + s + 1. The head adds `dL_s = W_up silu(W_down [H_s; S_s])` to
+the slot's base logits, where H_s is the backbone's hidden state and S_s the GRU state after reading the anchor and
+the tokens up to anchor + s. Slots before `first_corrected_slot` keep their base logits.
 
-On CUDA, `fused_pooled_slot_loop` runs the greedy pooled loop as one Triton kernel per slot (`head_step_triton.py`).
+Two paths share one GRU recurrence (`gru_cell`):
+- `DominoHead.forward`, teacher forcing: whole blocks whose tokens are given (training);
+- `DominoHead.draft`, the slot loop of a drafting round, the GRU reading each drafted token. What does not depend
+  on the drafted tokens is computed once per block (`block_inputs`) or once per weight version (`DerivedTensors`),
+  so a slot costs one small matmul, a rank-R product and a pick. Greedy drafting (`greedy_head`) is a pure tensor
+  function that `torch.compile` captures whole; on CUDA a Triton kernel can run each pooled slot
+  (`head_step_triton.py`).
+
+Logits live in the draft vocabulary: the token ids a draft may propose (`vocab`, index -> token id; the whole
+vocabulary when None), whose rows of the LM head and of `W_up` the draft keeps.
 
 Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch (and Triton
 through `head_step_triton.py`, where it is installed).
 """
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,10 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .configuration_domino import DominoConfig
+from .drafting import DraftingOptions
 from .head_step_triton import head_step
 
-# Shapes: M rows (sequences, or blocks in training), S drafts per block, V vocabulary, D hidden, G GRU state,
-# R rank of the logit residual, K candidate pool.
+# Shapes: M rows (sequences, or blocks in training), S slots (drafts per block), V draft vocabulary, D hidden,
+# G GRU state, R rank of the logit residual, K candidate pool.
+
+# `choose(slot, logits)` picks a slot's token from its whole-vocabulary logits: `(token ids [M], the logits it drew
+# from [M, V_target])`, e.g. after logits processors, or by sampling.
+Chooser = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def select_token(logits: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -34,8 +50,8 @@ def select_token(logits: torch.Tensor, do_sample: bool, generator: torch.Generat
 
 def slot_chooser(
     prefix_ids: torch.LongTensor | None, logits_processor: Callable | None, do_sample: bool, generator=None
-) -> Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """The head loop's `choose` for processed or sampled drafting; the processor sees `prefix_ids` + drafts so far."""
+) -> Chooser:
+    """The `choose` of processed or sampled drafting; the processor sees `prefix_ids` and the drafts so far."""
     drafted = prefix_ids
 
     def choose(slot: int, slot_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,228 +66,361 @@ def slot_chooser(
     return choose
 
 
-def _greedy_pool_logits(
-    base_logits: torch.Tensor, pool_logits: torch.Tensor, pool_ids: torch.Tensor, first_corrected: int
-) -> torch.Tensor:
-    """Greedy pooled drafting's logits `[M, S, V]`: the base logits of the slots before `first_corrected`, then each
-    corrected slot's pool logits (`[M, S - first_corrected, K]`) over its `pool_ids` (`[M, S, K]`), -inf elsewhere."""
-    spread = pool_logits.new_full((*pool_logits.shape[:2], base_logits.shape[-1]), float("-inf"))
-    spread.scatter_(-1, pool_ids[:, first_corrected:], pool_logits)
-    return torch.cat([base_logits[:, :first_corrected], spread], dim=1)
-
-
 def gru_cell(input_gates: torch.Tensor, state_gates: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One step of a bias-free `nn.GRU` from its projected gates.
+    """One step of a bias-free `nn.GRU` from its projected gates, the recurrence of every path.
 
     `input_gates` = x @ W_ih^T and `state_gates` = h @ W_hh^T (`[M, 3G]`, PyTorch's r|z|n order), `state` `[M, G]`.
-    Taking projections lets the head loop precompute the input side and fuse the state side with other matmuls.
+    Taking projections lets drafting precompute the input side and fuse the state side with other matmuls.
     """
-    gate_size = state.shape[-1]
-    reset, update = torch.sigmoid(input_gates[:, : 2 * gate_size] + state_gates[:, : 2 * gate_size]).chunk(2, dim=-1)
-    candidate = torch.tanh(input_gates[:, 2 * gate_size :] + reset * state_gates[:, 2 * gate_size :])
+    state_size = state.shape[-1]
+    reset, update = torch.sigmoid(input_gates[:, : 2 * state_size] + state_gates[:, : 2 * state_size]).chunk(2, -1)
+    candidate = torch.tanh(input_gates[:, 2 * state_size :] + reset * state_gates[:, 2 * state_size :])
     return candidate + update * (state - candidate)
 
 
-class DominoHeadWeights(NamedTuple):
-    """The Domino head's weights in the layouts the slot loop reads (built by `DominoDraftModel._head_weights`)."""
+def pick_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The probability `softmax(logits)` gives its most likely token, per row: `[..., V]` -> `[...]`. It depends on
+    the distribution only, never on a sampled token, so choosing a draft length from it keeps sampling exact."""
+    logits = logits.float()
+    return (logits.amax(-1) - logits.logsumexp(-1)).exp()
+
+
+class DerivedTensors:
+    """Tensors built from weights for fast drafting (a lookup table, a fused or transposed weight), never saved.
+
+    Each is rebuilt when a source tensor is replaced or changed in place by a tensor op; a write through `.data`
+    (peft's `merge_adapter`) changes neither, so `clear()` after one. With gradients enabled (training) each is
+    built fresh, so it stays differentiable. Copies and pickles start empty.
+    """
+
+    def __init__(self):
+        self._cache: dict[str, tuple] = {}
+
+    def get(self, name: str, sources: tuple[torch.Tensor, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return build()
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
+        cached_key, cached_sources, derived = self._cache.get(name, (None, (), None))
+        # Weak references, since an address alone can be reused: a new target's embedding where a freed one was.
+        same_sources = len(cached_sources) == len(sources) and all(r() is t for r, t in zip(cached_sources, sources))
+        if cached_key != key or not same_sources:
+            derived = build()
+            self._cache[name] = (key, tuple(weakref.ref(t) for t in sources), derived)
+        return derived
+
+    def clear(self) -> None:
+        self._cache = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._cache
+
+    def __getstate__(self) -> dict:
+        return {"_cache": {}}
+
+
+class HeadWeights(NamedTuple):
+    """The head's weights in the layouts the slot loop reads (`DominoHead.weights`)."""
 
     weight_ih: torch.Tensor  # [3G, D]: GRU input projection (the anchor's gates; every token's without a table)
     embed_tokens: nn.Module  # the target's input embeddings: drafted tokens go through it, as the anchor does
-    gate_table: torch.Tensor | None  # [V, 3G] = E @ W_ih^T: a drafted token's gates in one row lookup, or None
-    state_weight: torch.Tensor  # [3G + R, G]: W_hh and the state's half of the low-rank map, fused into one matmul
-    down: torch.Tensor  # [R, D + G]: the low-rank map's input side
-    up: torch.Tensor  # [V, R]: its vocabulary side (rows gathered for a candidate pool)
+    vocab: torch.Tensor | None  # [V]: draft-vocabulary index -> token id (None: they are equal)
+    gate_table: torch.Tensor | None  # [V, 3G]: each draft token's GRU input gates in one row lookup, or None
+    state_weight: torch.Tensor  # [3G + R, G]: W_hh and the state's half of W_down, fused into one matmul
+    down: torch.Tensor  # [R, D + G]: W_down
+    up: torch.Tensor  # [V, R]: W_up (rows gathered for a candidate pool)
     up_columns: torch.Tensor | None  # [R, V] in the logits' dtype, contiguous (fast GEMV); None with a pool
 
 
-class DominoHeadBlock(NamedTuple):
-    """Per-block inputs of the slot loop: everything that does not depend on the drafted tokens."""
+class BlockInputs(NamedTuple):
+    """What the slot loop needs of a block and does not depend on the drafted tokens."""
 
-    hidden_part: torch.Tensor  # [M, S, R]: the hidden-state half of the low-rank map, all slots at once
+    hidden_part: torch.Tensor  # [M, S, R]: the hidden-state half of W_down, all slots at once
     state: torch.Tensor  # [M, G]: the GRU state after reading the anchor
-    pool_ids: torch.Tensor | None = None  # [M, S, K]: each slot's candidate pool, its K best base tokens
+    pool_ids: torch.Tensor | None = None  # [M, S, K]: each slot's candidate pool (draft-vocabulary indices)
     pool_base: torch.Tensor | None = None  # [M, S, K]: their base logits
-    pool_up: torch.Tensor | None = None  # [M, S, K, R]: their rows of `up`
+    pool_up: torch.Tensor | None = None  # [M, S, K, R]: their rows of W_up
 
 
-def gru_input_gates(weights: DominoHeadWeights, tokens: torch.Tensor) -> torch.Tensor:
-    """GRU input gates `[..., 3G]` of token ids `[...]`: a table row, else the token's embedding times W_ih."""
+def token_ids(indices: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """Draft-vocabulary indices as token ids."""
+    return indices if vocab is None else vocab[indices]
+
+
+def to_target_vocabulary(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """`[..., V]` draft-vocabulary logits spread over the target's `vocab_size` tokens, -inf outside the draft's."""
+    if vocab is None:
+        return logits
+    spread = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return spread.index_copy_(-1, vocab, logits)
+
+
+def input_gates(weights: HeadWeights, indices: torch.Tensor) -> torch.Tensor:
+    """GRU input gates `[..., 3G]` of draft-vocabulary indices `[...]`: a table row, else the embedding times W_ih."""
     if weights.gate_table is not None:
-        return weights.gate_table[tokens]
-    return F.linear(weights.embed_tokens(tokens).to(weights.weight_ih.dtype), weights.weight_ih)
+        return weights.gate_table[indices]
+    embeds = weights.embed_tokens(token_ids(indices, weights.vocab))
+    return F.linear(embeds.to(weights.weight_ih.dtype), weights.weight_ih)
 
 
-def head_block_inputs(
+def block_inputs(
     base_logits: torch.Tensor,
     draft_hidden: torch.Tensor,
     anchor_embeds: torch.Tensor,
-    weights: DominoHeadWeights,
+    weights: HeadWeights,
     pool_size: int = 0,
-) -> DominoHeadBlock:
-    """What the slot loop needs of a block (`[M, S, V]` base logits, `[M, S, D]` hidden, `[M, D]` anchor embeds)."""
+) -> BlockInputs:
+    """`BlockInputs` of a block: `[M, S, V]` base logits, `[M, S, D]` hidden states, `[M, D]` anchor embeddings."""
     hidden_part = F.linear(draft_hidden, weights.down[:, : draft_hidden.shape[-1]])  # [M, S, R]
     zeros = draft_hidden.new_zeros(draft_hidden.shape[0], weights.state_weight.shape[1])  # [M, G]
     anchor_gates = F.linear(anchor_embeds.to(weights.weight_ih.dtype), weights.weight_ih)  # [M, 3G]
     state = gru_cell(anchor_gates, zeros.new_zeros(zeros.shape[0], weights.weight_ih.shape[0]), zeros)
     if not pool_size:
-        return DominoHeadBlock(hidden_part, state)
-    pool_ids = base_logits.topk(pool_size, dim=-1).indices  # [M, S, K]
+        return BlockInputs(hidden_part, state)
+    pool_ids = base_logits.topk(min(pool_size, base_logits.shape[-1]), dim=-1).indices  # [M, S, K]
     pool_up = weights.up[pool_ids].to(base_logits.dtype)  # [M, S, K, R]
-    return DominoHeadBlock(hidden_part, state, pool_ids, base_logits.gather(-1, pool_ids), pool_up)
+    return BlockInputs(hidden_part, state, pool_ids, base_logits.gather(-1, pool_ids), pool_up)
 
 
-def head_slot_loop(
+def slot_loop(
     base_logits: torch.Tensor,
-    block: DominoHeadBlock,
-    weights: DominoHeadWeights,
+    block: BlockInputs,
+    weights: HeadWeights,
     first_corrected: int,
-    choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    choose: Chooser | None = None,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sequential part of a drafting round over the S slots of `[M, S, V]` base logits.
 
-    Per slot: one matmul of the GRU state (its recurrent gates and its half of the low-rank map, fused), the
-    rank-R residual fused with the base-logit add (only over the slot's candidate pool when `block` has one, in
-    greedy drafting: the other tokens get -inf), a pick, and the GRU step on the picked token. Slots before
-    `first_corrected` (`pure_draft_prefix_len`) keep their base logits. `choose(s, logits)` returns `(token, logits
-    it was drawn from)`; `None` is greedy argmax with no Python callback, which is what makes the loop compilable
-    (unrolled). Returns `[M, S]` tokens and `[M, S, V]` logits.
+    Per slot: one matmul of the GRU state (its recurrent gates and its half of W_down, fused), the rank-R residual
+    added to the base logits (over the slot's candidate pool only, when `block` has one), a pick, and the GRU step on
+    the picked token. Greedy (`choose` None) picks the argmax with no Python callback, which makes the loop
+    compilable (unrolled); a `choose` sees each slot's logits over the target's `vocab_size` tokens.
+
+    Returns token ids `[M, S]`, the logits each was picked from (`[M, S, vocab_size]`; greedy: over the draft
+    vocabulary, -inf outside a pool) and each pick's confidence `[M, S]` (`pick_confidence`).
     """
-    num_slots = base_logits.shape[1]
-    gate_size = weights.weight_ih.shape[0]
+    num_slots, gates_width = base_logits.shape[1], weights.weight_ih.shape[0]
     state, pooled = block.state, block.pool_ids is not None
     if pooled and choose is not None:
         raise ValueError(
-            "A candidate pool is for greedy drafting (choose=None): a logits processor could mask all of it. Build "
+            "A candidate pool is for greedy drafting: a chooser (logits processor, sampler) may mask all of it. Build "
             "the block with pool_size=0 for processed or sampled drafting."
         )
-    tokens, logits = [], []
+    tokens, logits, confidence = [], [], []
     for slot in range(num_slots):
         state_gates, state_part = F.linear(state, weights.state_weight).split(
-            [gate_size, weights.state_weight.shape[0] - gate_size], dim=-1
+            [gates_width, weights.state_weight.shape[0] - gates_width], dim=-1
         )
-        slot_logits, candidates = base_logits[:, slot], None  # candidates: the token ids slot_logits cover (None: all)
+        slot_logits = base_logits[:, slot]
         if slot >= first_corrected:
             activation = F.silu(block.hidden_part[:, slot] + state_part).to(base_logits.dtype)  # [M, R]
             if pooled:
-                candidates = block.pool_ids[:, slot]
                 slot_logits = block.pool_base[:, slot] + (block.pool_up[:, slot] @ activation[:, :, None]).squeeze(-1)
             else:
                 slot_logits = torch.addmm(slot_logits, activation, weights.up_columns)
-        if choose is None:  # greedy: pick inside the pool, spread its logits to the vocabulary once at the end
-            token = slot_logits.argmax(dim=-1)
-            if candidates is not None:
-                token = candidates.gather(-1, token[:, None]).squeeze(-1)
+        if choose is None:
+            index = slot_logits.argmax(dim=-1)  # within the pool for a corrected pooled slot
+            if pooled and slot >= first_corrected:
+                index = block.pool_ids[:, slot].gather(-1, index[:, None]).squeeze(-1)
+            gates = input_gates(weights, index) if slot + 1 < num_slots else None
+            token = token_ids(index, weights.vocab)
         else:
-            token, slot_logits = choose(slot, slot_logits)
+            token, slot_logits = choose(slot, to_target_vocabulary(slot_logits, weights.vocab, vocab_size))
+            gates = F.linear(weights.embed_tokens(token).to(weights.weight_ih.dtype), weights.weight_ih)
         tokens.append(token)
         logits.append(slot_logits)
+        confidence.append(pick_confidence(slot_logits))
         if slot + 1 < num_slots:
-            state = gru_cell(gru_input_gates(weights, token), state_gates, state)
+            state = gru_cell(gates, state_gates, state)
     if pooled and first_corrected < num_slots:
         pool_logits = torch.stack(logits[first_corrected:], dim=1)  # [M, S - first_corrected, K]
-        logits = _greedy_pool_logits(base_logits, pool_logits, block.pool_ids, first_corrected)
-        return torch.stack(tokens, dim=1), logits
-    return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+        return torch.stack(tokens, 1), _spread_pools(base_logits, pool_logits, block.pool_ids, first_corrected), \
+            torch.stack(confidence, 1)  # fmt: skip
+    return torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(confidence, 1)
+
+
+def _spread_pools(
+    base_logits: torch.Tensor, pool_logits: torch.Tensor, pool_ids: torch.Tensor, first_corrected: int
+) -> torch.Tensor:
+    """Pooled greedy drafting's logits `[M, S, V]`: base logits before `first_corrected`, then each corrected slot's
+    pool logits over its pool, -inf elsewhere."""
+    spread = pool_logits.new_full((*pool_logits.shape[:2], base_logits.shape[-1]), float("-inf"))
+    spread.scatter_(-1, pool_ids[:, first_corrected:], pool_logits)
+    return torch.cat([base_logits[:, :first_corrected], spread], dim=1)
 
 
 def fused_pooled_slot_loop(
-    base_logits: torch.Tensor, block: DominoHeadBlock, weights: DominoHeadWeights, first_corrected: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`head_slot_loop` for greedy drafting with a candidate pool, one Triton launch per slot (`head_step_triton`).
+    base_logits: torch.Tensor, block: BlockInputs, weights: HeadWeights, first_corrected: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slot_loop` for greedy drafting with a candidate pool, one Triton launch per slot (`head_step_triton`).
 
-    Each pool token's GRU input gates are looked up (or projected) once per block instead of once per slot, so a
-    slot is the launch alone. Slots before `first_corrected` draft their base argmax: it goes first in their pool.
+    Each pool token's GRU input gates are looked up once per block instead of once per slot, so a slot is the launch
+    alone. Slots before `first_corrected` draft their base argmax: it goes first in their pool.
     """
     num_slots = base_logits.shape[1]
     pool_ids = block.pool_ids.clone()
     pool_ids[:, :first_corrected, 0] = base_logits[:, :first_corrected].argmax(dim=-1)
-    pool_gates = gru_input_gates(weights, pool_ids).contiguous()  # [M, S, K, 3G]
-    tokens = pool_ids[:, :, 0].contiguous()  # [M, S]: the kernel overwrites the corrected slots'
+    pool_gates = input_gates(weights, pool_ids).contiguous()  # [M, S, K, 3G]
+    indices = pool_ids[:, :, 0].contiguous()  # [M, S]: the kernel writes the corrected slots'
     pool_logits = torch.empty_like(block.pool_base)  # [M, S, K]
     state = block.state.contiguous()
     projected = F.linear(state, weights.state_weight)  # [M, 3G + R]: slot 0's, the only matmul outside the kernel
     for slot in range(num_slots):
         projected, state = head_step(
-            projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, tokens, pool_logits,
+            projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, indices, pool_logits,
             block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
         )  # fmt: skip
-    return tokens, _greedy_pool_logits(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
+    logits = _spread_pools(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
+    return token_ids(indices, weights.vocab), logits, pick_confidence(logits)
 
 
 def greedy_head(
     base_logits: torch.Tensor,
     draft_hidden: torch.Tensor,
     anchor_embeds: torch.Tensor,
-    weights: DominoHeadWeights,
+    weights: HeadWeights,
     first_corrected: int,
     pool_size: int = 0,
     fused_step: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole greedy head of a block as one pure tensor function: what `compile_drafting` captures.
-
-    `fused_step` (needs a pool) runs the slots with `fused_pooled_slot_loop` instead of `head_slot_loop`.
-    """
-    block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy drafting of a block as one pure tensor function (what `compile_drafting` captures): `slot_loop`, or
+    `fused_pooled_slot_loop` with `fused_step` (needs a pool)."""
+    block = block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
     if fused_step:
         return fused_pooled_slot_loop(base_logits, block, weights, first_corrected)
-    return head_slot_loop(base_logits, block, weights, first_corrected)
+    return slot_loop(base_logits, block, weights, first_corrected)
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+def base_drafts(
+    base_logits: torch.Tensor, vocab: torch.Tensor | None, choose: Chooser | None = None, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slot_loop`'s result for a draft without a head: each slot picks from its base logits alone."""
+    if choose is None:
+        return token_ids(base_logits.argmax(-1), vocab), base_logits, pick_confidence(base_logits)
+    picks = [choose(slot, to_target_vocabulary(base_logits[:, slot], vocab, vocab_size))
+             for slot in range(base_logits.shape[1])]  # fmt: skip
+    logits = torch.stack([slot_logits for _, slot_logits in picks], 1)
+    return torch.stack([token for token, _ in picks], 1), logits, pick_confidence(logits)
 
 
-class CompiledDrafting:
-    """What `DominoDraftModel.compile_drafting` builds: the compiled backbone and greedy head (not modules)."""
+class DominoHead(nn.Module):
+    """The Domino head's weights (`prefix_gru`, `embed_proj`: the published names) and its two paths.
 
-    def __init__(self, backbone: Callable[..., torch.Tensor], mode: str, dynamic_backbone: bool):
-        self.mode, self.dynamic_backbone = mode, dynamic_backbone
-        # With dynamic shapes, CUDA graphs would still be recorded once per context length: compile without them.
-        backbone_mode = _WITHOUT_CUDA_GRAPHS.get(mode, mode) if dynamic_backbone else mode
-        self._backbone_graphs = backbone_mode in _WITHOUT_CUDA_GRAPHS
-        self._backbone = torch.compile(backbone, mode=backbone_mode, dynamic=dynamic_backbone)
-        self._greedy_head = torch.compile(greedy_head, mode=mode, dynamic=False)
+    `embed_proj` is `W_down` (`Linear(D + G -> R)`), SiLU and `W_up` (`Linear(R -> V)`, V the draft vocabulary).
+    The GRU's weights live in an `nn.GRU` for their published names and initialisation; `gru_cell` runs them.
+    """
 
-    def backbone(self, *args) -> torch.Tensor:
-        """`DominoDraftModel.backbone`, compiled."""
-        if not self._backbone_graphs:
-            return self._backbone(*args)
-        torch.compiler.cudagraph_mark_step_begin()
-        return self._backbone(*args).clone()  # the head's graph must not read a buffer a later replay rewrites
+    def __init__(self, config: DominoConfig):
+        super().__init__()
+        self.first_corrected_slot = config.first_corrected_slot
+        self.prefix_gru = nn.GRU(config.hidden_size, config.gru_hidden_dim, num_layers=1, bias=False, batch_first=True)
+        self.embed_proj = nn.Sequential(
+            nn.Linear(config.hidden_size + config.gru_hidden_dim, config.residual_rank, bias=False),
+            nn.SiLU(),
+            nn.Linear(config.residual_rank, config.draft_vocab_size or config.vocab_size, bias=False),
+        )
+        self.derived = DerivedTensors()
 
-    def greedy_head(
+    def forward(
+        self, base_logits: torch.Tensor, draft_hidden: torch.Tensor, prefix_embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """Final logits of whole teacher-forced blocks: `[M, S, V]` base logits, `[M, S, D]` hidden states, and the
+        embeddings `[M, S, D]` of the tokens at anchor + s, the GRU's input before slot s predicts anchor + s + 1."""
+        start = self.first_corrected_slot
+        weight_ih, weight_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
+        gates = F.linear(prefix_embeds.to(weight_ih.dtype), weight_ih)  # [M, S, 3G]
+        state = gates.new_zeros(gates.shape[0], weight_hh.shape[1])
+        states = []
+        for slot in range(gates.shape[1]):
+            state = gru_cell(gates[:, slot], F.linear(state, weight_hh), state)
+            states.append(state)
+        states = torch.stack(states, dim=1)  # [M, S, G]
+        residual = self.embed_proj(torch.cat([draft_hidden[:, start:].to(states.dtype), states[:, start:]], dim=-1))
+        return torch.cat([base_logits[:, :start], base_logits[:, start:] + residual.to(base_logits.dtype)], dim=1)
+
+    def weights(
+        self,
+        embed_tokens: nn.Module,
+        vocab: torch.Tensor | None,
+        logits_dtype: torch.dtype,
+        options: DraftingOptions = DraftingOptions(),
+        whole_vocabulary: bool = False,
+    ) -> HeadWeights:
+        """The weights in the slot loop's layouts, derived once per weight version; `whole_vocabulary` prepares for
+        a loop without a candidate pool whatever `options` say."""
+        weight_ih, weight_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
+        down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
+        hidden_size = down.shape[1] - weight_hh.shape[1]
+        state_weight = self.derived.get(
+            "state_weight", (weight_hh, down), lambda: torch.cat([weight_hh, down[:, hidden_size:]])
+        )
+        up_columns = None
+        if whole_vocabulary or not options.candidate_pool:  # in the logits' dtype, so no slot converts [R, V] again
+            up_columns = self.derived.get(f"up_columns_{logits_dtype}", (up,), lambda: up.t().to(logits_dtype).contiguous())
+        gate_table = self._gate_table(embed_tokens, vocab, options.gate_table_max_bytes)
+        return HeadWeights(weight_ih, embed_tokens, vocab, gate_table, state_weight, down, up, up_columns)
+
+    def _gate_table(self, embed_tokens: nn.Module, vocab: torch.Tensor | None, max_bytes: int) -> torch.Tensor | None:
+        """`E[vocab] @ W_ih^T` (`[V, 3G]`) when at most `max_bytes`: a drafted token's gates in one row lookup.
+
+        Only for a plain `nn.Embedding`: a module that transforms its rows (Gemma3's scaled embedding, a PEFT adapter)
+        embeds each drafted token itself, as it embeds the anchor and, in training, the ground truth.
+        """
+        if torch.is_grad_enabled() or type(embed_tokens) is not nn.Embedding:
+            return None
+        weight_ih, embedding = self.prefix_gru.weight_ih_l0, embed_tokens.weight
+        rows = embedding.shape[0] if vocab is None else vocab.shape[0]
+        if rows * weight_ih.shape[0] * weight_ih.element_size() > max_bytes:
+            return None
+        sources = (embedding, weight_ih) if vocab is None else (embedding, weight_ih, vocab)
+        rows_of = (lambda: embedding) if vocab is None else (lambda: embedding[vocab])
+        return self.derived.get("gate_table", sources, lambda: F.linear(rows_of().to(weight_ih.dtype), weight_ih))
+
+    def draft(
         self,
         base_logits: torch.Tensor,
         draft_hidden: torch.Tensor,
         anchor_embeds: torch.Tensor,
-        weights: DominoHeadWeights,
-        first_corrected: int,
-        pool_size: int,
-        fused_step: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`greedy_head`, compiled; returns tensors the caller owns."""
-        for tensor in weights:
-            if isinstance(tensor, torch.Tensor):
-                # Weights keep their address across calls: CUDA graphs read them in place instead of copying them
-                # into the graph's input buffers every call (parameters are marked so by torch.compile already).
-                torch._dynamo.mark_static_address(tensor)
-        torch.compiler.cudagraph_mark_step_begin()  # a new drafting round: earlier graph outputs may be overwritten
-        inputs = (base_logits, draft_hidden, anchor_embeds, weights, first_corrected, pool_size, fused_step)
-        tokens, logits = self._greedy_head(*inputs)
-        return tokens.clone(), logits.clone()  # the next replay overwrites a CUDA graph's outputs
+        embed_tokens: nn.Module,
+        vocab: torch.Tensor | None,
+        options: DraftingOptions = DraftingOptions(),
+        choose: Chooser | None = None,
+        vocab_size: int | None = None,
+        whole_vocabulary: bool = False,
+        greedy: Callable[..., tuple] = greedy_head,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft a block: token ids `[M, S]`, the logits each was picked from and its confidence (`slot_loop`).
+
+        Greedy drafting (`choose` None) follows `options` (a candidate pool, the fused step) and runs `greedy` (the
+        compiled `greedy_head` after `compile_drafting`); a `choose` (processed or sampled drafting), and greedy
+        drafting over the `whole_vocabulary` (the training-time test), score every draft token, since a logits
+        processor may mask every token of a pool.
+        """
+        if choose is not None or whole_vocabulary:
+            weights = self.weights(embed_tokens, vocab, base_logits.dtype, options, whole_vocabulary=True)
+            block = block_inputs(base_logits, draft_hidden, anchor_embeds, weights)
+            return slot_loop(base_logits, block, weights, self.first_corrected_slot, choose, vocab_size)
+        options.check_device(base_logits.device)
+        weights = self.weights(embed_tokens, vocab, base_logits.dtype, options)
+        return greedy(base_logits, draft_hidden, anchor_embeds, weights, self.first_corrected_slot,
+                      options.candidate_pool, options.fused_step)  # fmt: skip
 
 
 __all__ = [
-    "COMPILE_MODES",
-    "CompiledDrafting",
-    "DominoHeadBlock",
-    "DominoHeadWeights",
+    "BlockInputs",
+    "DerivedTensors",
+    "DominoHead",
+    "HeadWeights",
+    "base_drafts",
+    "block_inputs",
     "fused_pooled_slot_loop",
     "greedy_head",
     "gru_cell",
-    "gru_input_gates",
-    "head_block_inputs",
-    "head_slot_loop",
+    "input_gates",
+    "pick_confidence",
     "select_token",
     "slot_chooser",
+    "slot_loop",
+    "to_target_vocabulary",
+    "token_ids",
 ]

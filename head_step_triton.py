@@ -1,7 +1,7 @@
-"""One Triton kernel per slot of the greedy pooled head loop: the GPU form of `head_domino.head_slot_loop`.
+"""One Triton kernel per slot of the greedy pooled head loop: the GPU form of `head_domino.slot_loop`.
 
 Unfused, a slot costs about ten small dependent kernels (the GRU state matmul, the pool residual, argmax, the
-drafted token's gate lookup, the GRU cell), tens of microseconds on a GPU even inside a CUDA graph. Slot s needs
+drafted token's gates lookup, the GRU cell), tens of microseconds on a GPU even inside a CUDA graph. Slot s needs
 the GRU state's projection `projected_s = state_s @ [W_hh; W_down_state]^T` (`[M, 3G + R]`), which is too big a
 matmul for one thread block, and everything after it (pick, GRU step) is tiny. So each launch finishes slot s and
 starts slot s + 1: every program recomputes slot s's pick (K x R multiply-adds) and the next GRU state (G values,
@@ -85,7 +85,7 @@ if triton is not None:
         state_weight_ptr,  # [P, G]: W_hh stacked over the state's half of the low-rank map
         slot,
         num_slots,
-        gate_size,
+        state_size,
         rank,
         pool_size,
         PICK: tl.constexpr,  # pick slot s's token from its corrected pool logits (else it is the pool's first)
@@ -97,7 +97,7 @@ if triton is not None:
     ):
         row, tile = tl.program_id(0), tl.program_id(1)
         writer = tile == 0  # one program writes the slot's outputs (all of them compute the same values)
-        width = 3 * gate_size + rank
+        width = 3 * state_size + rank
         slot_row = (row * num_slots + slot).to(tl.int64)  # offsets into [M, S, K, 3G] outgrow int32 at large M
         candidates = tl.arange(0, BLOCK_K)
         in_pool = candidates < pool_size
@@ -110,7 +110,7 @@ if triton is not None:
                 ranks = start + tl.arange(0, RANK_CHUNK)
                 in_rank = ranks < rank
                 hidden = tl.load(hidden_part_ptr + slot_row * rank + ranks, mask=in_rank, other=0.0).to(tl.float32)
-                state_part = tl.load(projected_ptr + row * width + 3 * gate_size + ranks, mask=in_rank, other=0.0)
+                state_part = tl.load(projected_ptr + row * width + 3 * state_size + ranks, mask=in_rank, other=0.0)
                 activation = hidden + state_part.to(tl.float32)
                 activation = activation * tl.sigmoid(activation)
                 up_offsets = candidates[:, None] * rank + ranks[None, :]
@@ -128,24 +128,24 @@ if triton is not None:
             rows = tile * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
             in_rows = rows < width
             accumulator = tl.zeros([ROWS_PER_PROGRAM], tl.float32)
-            state_writes = tl.where(writer, gate_size, 0)
-            gates_row = pool_gates_ptr + (slot_row * pool_size + choice) * (3 * gate_size)
-            for start in range(0, gate_size, STATE_CHUNK):
+            state_writes = tl.where(writer, state_size, 0)
+            gates_row = pool_gates_ptr + (slot_row * pool_size + choice) * (3 * state_size)
+            for start in range(0, state_size, STATE_CHUNK):
                 units = start + tl.arange(0, STATE_CHUNK)
-                in_state = units < gate_size
+                in_state = units < state_size
                 input_r = tl.load(gates_row + units, mask=in_state, other=0.0).to(tl.float32)
-                input_z = tl.load(gates_row + gate_size + units, mask=in_state, other=0.0).to(tl.float32)
-                input_n = tl.load(gates_row + 2 * gate_size + units, mask=in_state, other=0.0).to(tl.float32)
+                input_z = tl.load(gates_row + state_size + units, mask=in_state, other=0.0).to(tl.float32)
+                input_n = tl.load(gates_row + 2 * state_size + units, mask=in_state, other=0.0).to(tl.float32)
                 state_r = tl.load(projected_ptr + row * width + units, mask=in_state, other=0.0).to(tl.float32)
-                state_z = tl.load(projected_ptr + row * width + gate_size + units, mask=in_state, other=0.0)
-                state_n = tl.load(projected_ptr + row * width + 2 * gate_size + units, mask=in_state, other=0.0)
-                state = tl.load(state_ptr + row * gate_size + units, mask=in_state, other=0.0).to(tl.float32)
+                state_z = tl.load(projected_ptr + row * width + state_size + units, mask=in_state, other=0.0)
+                state_n = tl.load(projected_ptr + row * width + 2 * state_size + units, mask=in_state, other=0.0)
+                state = tl.load(state_ptr + row * state_size + units, mask=in_state, other=0.0).to(tl.float32)
                 reset = tl.sigmoid(input_r + state_r)
                 update = tl.sigmoid(input_z + state_z.to(tl.float32))
                 candidate = 2.0 * tl.sigmoid(2.0 * (input_n + reset * state_n.to(tl.float32))) - 1.0  # tanh
                 next_state = (candidate + update * (state - candidate)).to(next_state_ptr.dtype.element_ty)
-                tl.store(next_state_ptr + row * gate_size + units, next_state, mask=units < state_writes)
-                weight_offsets = rows[:, None] * gate_size + units[None, :]
+                tl.store(next_state_ptr + row * state_size + units, next_state, mask=units < state_writes)
+                weight_offsets = rows[:, None] * state_size + units[None, :]
                 in_weight = in_rows[:, None] & in_state[None, :]
                 weight = tl.load(state_weight_ptr + weight_offsets, mask=in_weight, other=0.0)
                 accumulator += tl.sum(weight.to(tl.float32) * next_state.to(tl.float32)[None, :], axis=1)
@@ -155,7 +155,7 @@ if triton is not None:
     # the tuner's repeated launches need no restoring.
     _tuned_head_step_kernel = triton.autotune(
         configs=[triton.Config(_constexprs(config), num_warps=config.num_warps) for config in LAUNCH_CONFIGS],
-        key=["gate_size", "rank", "pool_size", "PICK", "STEP"],
+        key=["state_size", "rank", "pool_size", "PICK", "STEP"],
     )(_head_step_kernel)
 
 
@@ -193,7 +193,7 @@ def head_step(
     Shapes as in `_head_step_kernel`; every tensor contiguous. Writes `tokens[:, slot]` and `pool_logits[:, slot]`
     when `pick`; otherwise the slot's token is the caller's `pool_ids[:, slot, 0]`.
     """
-    num_rows, gate_size = state.shape
+    num_rows, state_size = state.shape
     num_slots, pool_size, rank = pool_up.shape[1:]
     width = projected.shape[1]
     # Fresh even when not `step` (left unwritten then): no tensor is passed twice, which torch.compile would have to
@@ -210,7 +210,7 @@ def head_step(
     kernel[grid](
         projected, state, next_projected, next_state, tokens, pool_logits,
         hidden_part, pool_base, pool_up, pool_ids, pool_gates, state_weight,
-        slot, num_slots, gate_size, rank, pool_size,
+        slot, num_slots, state_size, rank, pool_size,
         PICK=pick, STEP=step, BLOCK_K=triton.next_power_of_2(pool_size), **launch,
     )  # fmt: skip
     return next_projected, next_state

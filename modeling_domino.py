@@ -1,23 +1,18 @@
 """Domino draft model: a DFlash parallel block drafter plus a cheap causal correction head.
 
 One forward over `[anchor, MASK x (block_size - 1)]`, conditioned on the target's hidden states, gives base
-logits for the whole block (paper eq. 1); a GRU over the block's tokens and a low-rank map add a causal
-residual to the logits (eq. 2-3), so the sequential part never re-runs the LM head.
+logits for the whole block (paper eq. 1); the head (`head_domino.py`: a GRU over the block's tokens and a low-rank
+map) adds a causal residual to them (eq. 2-3), so the sequential part never re-runs the LM head.
 
-This file and the root files it imports (`configuration_domino.py`, `head_domino.py`, `head_step_triton.py`,
-`published_format.py`) are copied into every saved checkpoint (`trust_remote_code`), so they import only torch and
-transformers (and Triton where installed, for the optional fused head step). That includes the candidate generator
-behind `target.generate(..., assistant_model=draft)`.
+This file and the root files it imports are copied into every saved checkpoint (`trust_remote_code`), so they
+import only torch and transformers (and Triton where installed, for the optional fused head step).
 """
 
-import functools
-import inspect
-import itertools
 import os
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +20,6 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import StaticLayer
-from transformers.generation import GenerationMixin, LogitsProcessorList
-from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -38,76 +29,15 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import ModelOutput
 
+from .cache_domino import DominoContextCache
 from .configuration_domino import DominoConfig
-from .head_domino import (
-    COMPILE_MODES,
-    CompiledDrafting,
-    DominoHeadWeights,
-    greedy_head,
-    head_block_inputs,
-    head_slot_loop,
-    slot_chooser,
-)
-from .head_step_triton import kernel_runs_on, triton_available
-from .published_format import check_checkpoint_folder, load_published, published_config_path
+from .drafting import DraftingOptions
+from .generation_domino import DominoCandidateGenerator, candidate_generator
+from .head_domino import DerivedTensors, DominoHead, base_drafts, greedy_head, slot_chooser, to_target_vocabulary
+from .published_format import check_checkpoint_folder, load_converted, needs_conversion
 
 # Shapes: B batch, N blocks per sequence, K block size, S drafts per block, T context length, D hidden,
-# V vocabulary, G GRU state, R rank of the logit residual, Hq/Hkv attention heads, Dh head dim.
-
-
-class DominoContextCache:
-    """Keys and values of the target context for every draft layer: context only, never block tokens.
-
-    `attention_mask` (`[B, T]`, bool) marks the slots that hold committed tokens; it stays `None` while every slot
-    does (batch size one, no padding), so attention needs no mask.
-    """
-
-    def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []  # per layer: [B, Hkv, T, Dh]
-        self.values: list[torch.Tensor] = []
-        self.attention_mask: torch.Tensor | None = None
-
-    def get_seq_length(self) -> int:
-        return self.keys[0].shape[-2] if self.keys else 0
-
-    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if layer_idx == len(self.keys):
-            self.keys.append(keys)
-            self.values.append(values)
-        else:
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], keys], dim=-2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], values], dim=-2)
-
-    def append_mask(self, previous_length: int, new_mask: torch.Tensor | None, batch_size: int) -> None:
-        """Extend the slot mask by `new_mask` (`[B, T_new]`, `None` means all valid)."""
-        if new_mask is None or bool(new_mask.all()):
-            if self.attention_mask is not None:
-                ones = self.attention_mask.new_ones(batch_size, self.get_seq_length() - previous_length)
-                self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)
-            return
-        if self.attention_mask is None:
-            self.attention_mask = new_mask.new_ones(batch_size, previous_length, dtype=torch.bool)
-        self.attention_mask = torch.cat([self.attention_mask, new_mask.bool()], dim=-1)
-
-    def crop(self, max_length: int) -> None:
-        """A negative `max_length` drops that many slots from the end, as transformers' cache `crop` does, and 0 drops
-        none (so `crop(-num_rejected)` is always right); a positive one keeps the first `max_length` slots
-        (transformers' older `crop(max_length)`)."""
-        if max_length <= 0:
-            max_length = max(self.get_seq_length() + max_length, 0)
-        if max_length >= self.get_seq_length():
-            return
-        self.keys = [k[..., :max_length, :] for k in self.keys]
-        self.values = [v[..., :max_length, :] for v in self.values]
-        if self.attention_mask is not None:
-            self.attention_mask = self.attention_mask[:, :max_length]
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows `rows` (drop finished sequences)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        if self.attention_mask is not None:
-            self.attention_mask = self.attention_mask[rows]
+# V vocabulary (the draft's, a subset of the target's), Hq/Hkv attention heads, Dh head dim.
 
 
 @dataclass
@@ -115,8 +45,9 @@ class DominoOutput(ModelOutput):
     """Teacher-forced training output.
 
     Args:
-        logits (`torch.FloatTensor` of shape `(batch_size, num_blocks, num_draft_tokens, vocab_size)`):
-            Final logits: base logits plus the Domino head's residual (equal to `base_logits` with the head off).
+        logits (`torch.FloatTensor` of shape `(batch_size, num_blocks, num_draft_tokens, draft_vocab_size)`):
+            Final logits over the draft vocabulary: base logits plus the head's residual (`base_logits` without a
+            head).
         base_logits (`torch.FloatTensor` of the same shape): the parallel backbone's logits.
     """
 
@@ -130,12 +61,24 @@ class DominoDraft(ModelOutput):
 
     Args:
         tokens (`torch.LongTensor` of shape `(batch_size, num_draft_tokens)`): the proposed continuation.
-        logits (`torch.FloatTensor` of shape `(batch_size, num_draft_tokens, vocab_size)`): the (processed) logits
-            each token was drawn from, as exact speculative sampling needs them.
+        logits (`torch.FloatTensor` of shape `(batch_size, num_draft_tokens, vocab_size)`): over the target's
+            vocabulary, the (processed) logits each token was drawn from, as exact speculative sampling needs them;
+            -inf outside the draft vocabulary (and, greedy, outside a candidate pool).
+        confidence (`torch.FloatTensor` of shape `(batch_size, num_draft_tokens)`): the probability each slot's
+            distribution gives its most likely token, which the cost-aware draft length weighs.
     """
 
     tokens: torch.LongTensor | None = None
     logits: torch.FloatTensor | None = None
+    confidence: torch.FloatTensor | None = None
+
+
+class DominoBlock(NamedTuple):
+    """A block after the backbone: what the head drafts from."""
+
+    base_logits: torch.Tensor  # [B, S, V]: the target's LM head over the draft vocabulary
+    hidden: torch.Tensor  # [B, S, D]: the drafting slots' hidden states
+    anchor_embeds: torch.Tensor  # [B, D]: the anchor's embedding, the GRU's first input
 
 
 def block_attention_mask(
@@ -284,13 +227,6 @@ class DominoDecoderLayer(GradientCheckpointingLayer):
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-def _croppable_cache(cache_implementation: str | None) -> bool:
-    """Whether transformers' cache of `generation_config.cache_implementation` can drop rejected drafts."""
-    if cache_implementation in (None, "dynamic"):
-        return True
-    return cache_implementation == "static" and getattr(StaticLayer, "is_croppable", False)
-
-
 def _model_name(name_or_path: str) -> str:
     """A model's name without its folder or Hub organisation: a local copy and the Hub id compare equal."""
     return os.path.basename(name_or_path.rstrip("/")).lower()
@@ -307,10 +243,11 @@ def _converted_from(target: PreTrainedModel) -> str | None:
 
 class DominoDraftModel(PreTrainedModel):
     """Domino draft: DFlash backbone (`fc`, `hidden_norm`, `layers`, `norm`) and, when `config.use_domino_head`,
-    the causal correction head (`prefix_gru`, `embed_proj`), under the published weight names.
+    the causal correction head (`head`); with `config.draft_vocab_size`, the token ids it may propose
+    (`draft_vocab`, the most frequent first).
 
     The target's token embeddings and LM head are arguments of every call; they are never parameters of the
-    draft and never saved with it.
+    draft and never saved with it. `drafting_options` (not saved) are the run-time options of drafting.
     """
 
     config_class = DominoConfig
@@ -331,13 +268,11 @@ class DominoDraftModel(PreTrainedModel):
         self.layers = nn.ModuleList([DominoDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        if config.use_domino_head:
-            self.prefix_gru = nn.GRU(hidden_size, config.gru_hidden_dim, num_layers=1, bias=False, batch_first=True)
-            self.embed_proj = nn.Sequential(
-                nn.Linear(hidden_size + config.gru_hidden_dim, config.emb_dim, bias=False),
-                nn.SiLU(),
-                nn.Linear(config.emb_dim, config.vocab_size, bias=False),
-            )
+        self.head = DominoHead(config) if config.use_domino_head else None
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
+        self.drafting_options = DraftingOptions()
+        self.derived = DerivedTensors()
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -347,41 +282,66 @@ class DominoDraftModel(PreTrainedModel):
             for weight in (module.weight_ih_l0, module.weight_hh_l0):
                 init.uniform_(weight, -bound, bound)
 
+    @property
+    def vocab(self) -> torch.Tensor | None:
+        """The draft vocabulary's token ids (`[V]`), or None when it is the target's whole vocabulary."""
+        return getattr(self, "draft_vocab", None)
+
     # ------------------------------------------------------------------ building and checking
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "DominoDraftModel":
-        """`PreTrainedModel.from_pretrained`, which also reads published Domino and z-lab DFlash checkpoints.
+        """`PreTrainedModel.from_pretrained`, which also reads published Domino and z-lab DFlash checkpoints, and
+        our own older layout (the head's weights at the top level).
 
-        Such a folder (`model_type: "qwen3"` with a `dflash_config`) is converted by `published_format.load_published`;
-        DFlash drafts load with the head off and `shift_label=False`. A local folder is checked first, so a missing
-        `config.json` or weights file, or a truncated safetensors file, is named in the error.
+        Such folders are converted by `published_format.load_converted`; DFlash drafts load with the head off and
+        `shift_label=False`. A local folder is checked first, so a missing `config.json` or weights file, or a
+        truncated safetensors file, is named in the error.
         """
         if pretrained_model_name_or_path is None:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         path = str(pretrained_model_name_or_path)
         if os.path.isdir(path):
             check_checkpoint_folder(os.path.join(path, kwargs.get("subfolder") or ""))
-        if published_config_path(path, **kwargs) is not None:
-            return load_published(cls, path, **kwargs)
+        if needs_conversion(path, **kwargs):
+            return load_converted(cls, path, **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @classmethod
     def from_target(
-        cls, target: PreTrainedModel, num_hidden_layers: int = 1, block_size: int = 16, tokenizer=None, **overrides
-    ) -> "DominoDraftModel":
+        cls, target: PreTrainedModel, num_hidden_layers: int = 1, block_size: int = 16, tokenizer=None,
+        draft_vocab: torch.Tensor | list[int] | None = None, **overrides,
+    ) -> "DominoDraftModel":  # fmt: skip
         """A randomly initialised draft matched to `target` (any HF causal LM: Qwen3, Qwen2, Llama, ...), of the config
-        `config_for_target` gives."""
+        `config_for_target` gives; `draft_vocab` (token ids, the most frequent first) limits what it proposes."""
+        if draft_vocab is not None:
+            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
+            overrides["draft_vocab_size"] = draft_vocab.numel()
         config = cls.config_for_target(target, num_hidden_layers, block_size, tokenizer, **overrides)
         # Built in the target's dtype, not cast to it: a cast would also round the RoPE frequencies (a float buffer) to
         # bf16, while from_pretrained keeps them in fp32, so the trained and the served draft would rotate differently.
         draft = cls._from_config(config, dtype=target.dtype)
-        # Start the final norm at the target's, so base logits begin on the LM head's scale.
-        target_norm = getattr(getattr(target.get_decoder(), "norm", None), "weight", None)
-        if isinstance(target_norm, torch.Tensor) and target_norm.shape == draft.norm.weight.shape:
-            with torch.no_grad():
+        with torch.no_grad():
+            if draft_vocab is not None:
+                draft.set_draft_vocab(draft_vocab)
+            # Start the final norm at the target's, so base logits begin on the LM head's scale.
+            target_norm = getattr(getattr(target.get_decoder(), "norm", None), "weight", None)
+            if isinstance(target_norm, torch.Tensor) and target_norm.shape == draft.norm.weight.shape:
                 draft.norm.weight.copy_(target_norm)
         return draft.to(device=target.device)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Make `token_ids` (the draft's `draft_vocab_size` distinct ids, most frequent first) the draft vocabulary."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
+        size, vocab_size = self.config.draft_vocab_size, self.config.vocab_size
+        if (token_ids.shape != (size,) or token_ids.unique().numel() != size or int(token_ids.min()) < 0
+                or int(token_ids.max()) >= vocab_size):  # fmt: skip
+            raise ValueError(
+                f"draft_vocab must hold {size} distinct token ids in [0, {vocab_size - 1}] (draft_vocab_size and "
+                f"vocab_size of the config), got a tensor of shape {tuple(token_ids.shape)}."
+            )
+        self.draft_vocab.copy_(token_ids)
 
     @staticmethod
     def config_for_target(
@@ -420,7 +380,7 @@ class DominoDraftModel(PreTrainedModel):
             "mask_token_id": mask_token_id,
             "block_size": block_size,
             "gru_hidden_dim": max(hidden_size // 4, 8),
-            "emb_dim": max(hidden_size // 16, 8),
+            "residual_rank": max(hidden_size // 16, 8),
             # The Hub id, where a local conversion records one: portable, and what model cards cite.
             "target_model_name": _converted_from(target) or getattr(target, "name_or_path", None) or None,
         }
@@ -530,197 +490,38 @@ class DominoDraftModel(PreTrainedModel):
                 "pass `fuse_target_hidden_states(outputs.hidden_states)` of the target this draft was built for."
             )
 
+    def base_logits(self, draft_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """The target's LM head over the draft vocabulary: `[..., D]` hidden states -> `[..., V]` logits.
+
+        With a draft vocabulary, only its rows of the LM head are multiplied (kept transposed, the fast layout for a
+        few rows on CPU), the cost that a drafting round otherwise spends mostly on the target's whole vocabulary.
+        """
+        hidden = draft_hidden.to(lm_head.weight.dtype)
+        vocab = self.vocab
+        if vocab is None:
+            return lm_head(hidden)
+        if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
+            return lm_head(hidden)[..., vocab]
+        weight = self.derived.get("draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight[vocab].t().contiguous())
+        logits = hidden @ weight  # [..., V]
+        return logits if lm_head.bias is None else logits + lm_head.bias[vocab]
+
+    def to_draft_vocab(self, token_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Token ids as draft-vocabulary indices (training labels); ids outside it, and `ignore_index`, become
+        `ignore_index`."""
+        vocab = self.vocab
+        if vocab is None:
+            return token_ids
+        index_of = torch.full((self.config.vocab_size,), ignore_index, dtype=torch.long, device=token_ids.device)
+        index_of[vocab.to(token_ids.device)] = torch.arange(vocab.numel(), device=token_ids.device)
+        return torch.where(token_ids == ignore_index, ignore_index, index_of[token_ids.clamp(min=0)])
+
     def _draft_slots(self, block_hidden: torch.Tensor) -> torch.Tensor:
         """The block positions that propose tokens: all with `shift_label`, else all but the anchor.
 
         Slot s (0-based) then always predicts the token at `anchor + s + 1`: the one alignment rule of the model.
         """
         return block_hidden if self.config.shift_label else block_hidden[..., 1:, :]
-
-    # ------------------------------------------------------------------ Domino head
-
-    def _teacher_forced_logits(
-        self, base_logits: torch.Tensor, draft_hidden: torch.Tensor, prefix_embeds: torch.Tensor
-    ) -> torch.Tensor:
-        """Final logits of whole blocks at once: `[M, S, V]` base, `[M, S, D]` hidden and token embeddings.
-
-        `prefix_embeds[:, s]` embeds the token at `anchor + s`, so the GRU state used by slot s has read the anchor
-        and every token before the one slot s predicts. Slots before `pure_draft_prefix_len` keep base logits.
-        """
-        start = self.config.pure_draft_prefix_len
-        states, _ = self.prefix_gru(prefix_embeds.to(self.dtype))  # [M, S, G]
-        residual = self.embed_proj(torch.cat([draft_hidden[:, start:], states[:, start:]], dim=-1))
-        return torch.cat([base_logits[:, :start], base_logits[:, start:] + residual.to(base_logits.dtype)], dim=1)
-
-    def _derived(self, name: str, sources: tuple[torch.Tensor, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A tensor derived from weights for fast inference, rebuilt when a source is replaced or changed in place by
-        a tensor op; never saved. A write through `.data` changes neither: see `clear_derived_tensors`.
-
-        While gradients are enabled (training) it is built fresh each call, so it stays differentiable.
-        """
-        if torch.is_grad_enabled():
-            return build()
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
-        cache = self.__dict__.setdefault("_derived_tensors", {})
-        cached_key, cached_sources, derived = cache.get(name, (None, (), None))
-        # Weak references, since an address alone can be reused: a new target's embedding where a freed one was.
-        same_sources = len(cached_sources) == len(sources) and all(r() is t for r, t in zip(cached_sources, sources))
-        if cached_key != key or not same_sources:
-            derived = build()
-            cache[name] = (key, tuple(weakref.ref(t) for t in sources), derived)
-        return derived
-
-    def __getstate__(self) -> dict:
-        """Pickling and copying (`torch.save(draft)`, multiprocessing, `copy.deepcopy`) leave out what is rebuilt on
-        use: the derived tensors, held with weak references, and compiled drafting (call `compile_drafting` again on
-        the copy)."""
-        state = dict(super().__getstate__())
-        state.pop("_derived_tensors", None)
-        state.pop("_compiled_drafting", None)
-        return state
-
-    def clear_derived_tensors(self) -> None:
-        """Drop the tensors derived from the draft's and the target's weights for fast inference (the GRU input table,
-        the fused state weight, ...); the next drafting round rebuilds them.
-
-        Call it after writing weights through `.data`, which bypasses the change check (peft's `merge_adapter` and
-        `unmerge_adapter` do, on the target too).
-        """
-        self.__dict__.pop("_derived_tensors", None)
-
-    def _gru_input_table(self, embed_tokens: nn.Module) -> torch.Tensor | None:
-        """`E @ W_ih^T` (`[V, 3G]`): every token's GRU input gates, when small enough to pay; else `None`.
-
-        It turns a drafted token's embedding lookup and matmul into one row lookup. Only for a plain `nn.Embedding`:
-        a module that transforms its rows (Gemma3's scaled embedding, a PEFT adapter) embeds each drafted token
-        itself, as it embeds the anchor and, in training, the ground-truth tokens.
-        """
-        if torch.is_grad_enabled() or type(embed_tokens) is not nn.Embedding:
-            return None
-        weight_ih, embedding = self.prefix_gru.weight_ih_l0, embed_tokens.weight
-        table_bytes = embedding.shape[0] * weight_ih.shape[0] * weight_ih.element_size()
-        if table_bytes > self.config.gru_input_table_max_bytes:
-            return None
-        return self._derived("gru_input_table", (embedding, weight_ih), lambda: F.linear(embedding.to(weight_ih.dtype), weight_ih))
-
-    def _head_weights(self, embed_tokens: nn.Module, logits_dtype: torch.dtype, pool_size: int) -> DominoHeadWeights:
-        """The head's weights in the slot loop's layouts for a candidate pool of `pool_size` (0: the whole vocabulary),
-        derived once per weight version (`_derived`)."""
-        weight_ih, weight_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
-        down, up = self.embed_proj[0].weight, self.embed_proj[2].weight  # [R, D + G], [V, R]
-        hidden_size = down.shape[1] - weight_hh.shape[1]
-        state_weight = self._derived("state_weight", (weight_hh, down), lambda: torch.cat([weight_hh, down[:, hidden_size:]]))
-        up_columns = None
-        if not pool_size:  # in the logits' dtype, so no slot converts [R, V] again
-            name = f"up_columns_{logits_dtype}"
-            up_columns = self._derived(name, (up,), lambda: up.t().to(logits_dtype).contiguous())  # [R, V]
-        gate_table = self._gru_input_table(embed_tokens)
-        return DominoHeadWeights(weight_ih, embed_tokens, gate_table, state_weight, down, up, up_columns)
-
-    def _head_loop(
-        self,
-        base_logits: torch.Tensor,
-        draft_hidden: torch.Tensor,
-        anchor_embeds: torch.Tensor,
-        embed_tokens: nn.Module,
-        choose: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-        whole_vocabulary: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequential drafting over the S slots of `[M, S, ...]` blocks (eager): the only sequential part of a round.
-
-        Everything that does not depend on the drafted tokens is prepared once: weight layouts per weight version
-        (`_head_weights`: GRU input table, fused state weight, transposed residual projection), per block the
-        hidden-state half of the low-rank map, the anchor's GRU state and the candidate pools (`head_block_inputs`);
-        `head_slot_loop` then runs the slots. With `config.head_candidate_pool = K` each slot's residual covers only
-        its K best base tokens in greedy drafting (lossless: the target verifies every draft); the other tokens get
-        -inf. Greedy pooled drafting with `config.fused_head_step` runs the slots as one Triton kernel each instead
-        (CUDA).
-
-        `choose(s, logits)` returns `(token, logits it was drawn from)` for slot s; `None` is greedy argmax.
-        Processed or sampled drafting (a `choose`) scores the whole vocabulary, since a logits processor may mask
-        every token of a pool; so does the training-time test (`whole_vocabulary`: no pool, no fused step).
-        Returns `[M, S]` tokens and `[M, S, V]` logits.
-        """
-        if not self.config.use_domino_head:
-            choose = choose or slot_chooser(None, None, do_sample=False)
-            tokens, logits = zip(*(choose(slot, base_logits[:, slot]) for slot in range(base_logits.shape[1])))
-            return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
-        if choose is None and not whole_vocabulary:
-            arguments = self._greedy_head_arguments(embed_tokens, base_logits.dtype)
-            return greedy_head(base_logits, draft_hidden, anchor_embeds, *arguments)
-        weights = self._head_weights(embed_tokens, base_logits.dtype, pool_size=0)
-        block = head_block_inputs(base_logits, draft_hidden, anchor_embeds, weights)
-        return head_slot_loop(base_logits, block, weights, self.config.pure_draft_prefix_len, choose)
-
-    def _greedy_head_arguments(
-        self, embed_tokens: nn.Module, logits_dtype: torch.dtype
-    ) -> tuple[DominoHeadWeights, int, int, bool]:
-        """`greedy_head`'s `(weights, first_corrected, pool_size, fused_step)`: the options from the config, checked
-        first (against this machine too), then the weights for its candidate pool."""
-        config = self.config
-        config.check_inference_options()
-        if config.fused_head_step:
-            device = self.prefix_gru.weight_hh_l0.device
-            if not kernel_runs_on(device):
-                raise RuntimeError(
-                    f"config.fused_head_step runs a Triton kernel on CUDA, but the draft is on {device} and Triton is "
-                    f"{'installed' if triton_available() else 'not installed'}; set "
-                    "config.fused_head_step = False there."
-                )
-        weights = self._head_weights(embed_tokens, logits_dtype, config.head_candidate_pool)
-        return weights, config.pure_draft_prefix_len, config.head_candidate_pool, config.fused_head_step
-
-    def _greedy_head(
-        self,
-        base_logits: torch.Tensor,
-        draft_hidden: torch.Tensor,
-        anchor_embeds: torch.Tensor,
-        embed_tokens: nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy drafting of a block: the compiled head after `compile_drafting`, else the eager `_head_loop`."""
-        compiled = self.__dict__.get("_compiled_drafting")
-        if compiled is None or not self.config.use_domino_head or torch.is_grad_enabled():
-            return self._head_loop(base_logits, draft_hidden, anchor_embeds, embed_tokens)
-        arguments = self._greedy_head_arguments(embed_tokens, base_logits.dtype)
-        return compiled.greedy_head(base_logits, draft_hidden, anchor_embeds, *arguments)
-
-    # ------------------------------------------------------------------ compiled drafting
-
-    def compile_drafting(
-        self, mode: str | None = "reduce-overhead", dynamic_backbone: bool = True
-    ) -> "DominoDraftModel":
-        """Compile the drafting hot path with `torch.compile`: the backbone pass and the greedy head. Returns self.
-
-        The greedy head (`greedy_head`: per-block setup and the slot loop, unrolled over the block) has static
-        shapes, so `mode="reduce-overhead"` captures it in one CUDA graph on CUDA: one launch instead of about ten
-        per slot. The backbone's key length grows every round, so with `dynamic_backbone=True` it is compiled for
-        dynamic shapes and without CUDA graphs (which would record one graph per context length);
-        `dynamic_backbone=False` specializes it to each shape in `mode`, CUDA graphs included: for fixed-shape
-        benchmarks only, as every new context length recompiles.
-
-        `draft_block` then runs the compiled backbone on every call and the compiled head for plain greedy
-        drafting (no logits processor, no sampling); other calls keep the eager loop. Compiled kernels may round
-        differently, so a near-tie can flip a draft token; verification keeps decoding lossless either way.
-        Compilation happens on first use (seconds to minutes), again per batch size. The compiled functions are
-        plain attributes, not modules: nothing is saved, and `mode=None` goes back to eager drafting.
-        """
-        if mode is None:
-            self.__dict__.pop("_compiled_drafting", None)
-            return self
-        if mode not in COMPILE_MODES:
-            raise ValueError(f"compile_drafting: mode must be one of {list(COMPILE_MODES)} or None, got {mode!r}.")
-        self.__dict__["_compiled_drafting"] = CompiledDrafting(self.backbone, mode, dynamic_backbone)
-        return self
-
-    @property
-    def is_drafting_compiled(self) -> bool:
-        """Whether `compile_drafting` is on."""
-        return "_compiled_drafting" in self.__dict__
-
-    def _drafting_backbone(self) -> Callable[..., torch.Tensor]:
-        """`backbone`, compiled after `compile_drafting`."""
-        compiled = self.__dict__.get("_compiled_drafting")
-        return self.backbone if compiled is None else compiled.backbone
 
     # ------------------------------------------------------------------ training forward
 
@@ -748,8 +549,9 @@ class DominoDraftModel(PreTrainedModel):
             head_reads_predictions (`bool`): training-time test: the GRU reads the draft's own greedy tokens
                 instead of the ground truth (the paper's ablation).
 
-        Returns `DominoOutput` with logits of shape `(batch_size, num_blocks, num_draft_tokens, vocab_size)`; slot s
-        of block n predicts `input_ids[:, anchor_positions[:, n] + s + 1]`.
+        Returns `DominoOutput` with logits of shape `(batch_size, num_blocks, num_draft_tokens, V)` over the draft
+        vocabulary (`to_draft_vocab` maps labels to it); slot s of block n predicts
+        `input_ids[:, anchor_positions[:, n] + s + 1]`.
         """
         batch_size, length = input_ids.shape
         self._check_anchor_positions(anchor_positions, length)
@@ -770,8 +572,8 @@ class DominoDraftModel(PreTrainedModel):
             embed_tokens(block_ids.view(batch_size, -1)), block_positions.view(batch_size, -1), context, mask
         )
         draft_hidden = self._draft_slots(hidden.view(batch_size, num_blocks, block_size, -1))  # [B, N, S, D]
-        base_logits = lm_head(draft_hidden.to(lm_head.weight.dtype))  # [B, N, S, V]
-        if not self.config.use_domino_head:
+        base_logits = self.base_logits(draft_hidden, lm_head)  # [B, N, S, V]
+        if self.head is None:
             return DominoOutput(logits=base_logits, base_logits=base_logits)
 
         num_slots = draft_hidden.shape[2]
@@ -781,10 +583,10 @@ class DominoDraftModel(PreTrainedModel):
         prefix_positions = (anchor_positions[:, :, None] + offsets[:num_slots]).clamp(max=length - 1)
         prefix_ids = input_ids.gather(1, prefix_positions.view(batch_size, -1)).view(-1, num_slots)  # [B*N, S]
         if head_reads_predictions:  # argmax has no gradient: the GRU reads the predictions as constants
-            anchor_embeds = embed_tokens(prefix_ids[:, 0])
-            _, logits = self._head_loop(flat_base, flat_hidden, anchor_embeds, embed_tokens, whole_vocabulary=True)
+            _, logits, _ = self.head.draft(flat_base, flat_hidden, embed_tokens(prefix_ids[:, 0]), embed_tokens,
+                                           self.vocab, whole_vocabulary=True)  # fmt: skip
         else:
-            logits = self._teacher_forced_logits(flat_base, flat_hidden, embed_tokens(prefix_ids))
+            logits = self.head(flat_base, flat_hidden, embed_tokens(prefix_ids))
         return DominoOutput(logits=logits.view_as(base_logits), base_logits=base_logits)
 
     # ------------------------------------------------------------------ inference
@@ -815,6 +617,33 @@ class DominoDraftModel(PreTrainedModel):
         past_key_values.append_mask(previous_length, attention_mask, target_hidden.shape[0])
 
     @torch.no_grad()
+    def block_logits(
+        self,
+        anchor_ids: torch.LongTensor,
+        anchor_position_ids: torch.LongTensor,
+        past_key_values: DominoContextCache,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+    ) -> DominoBlock:
+        """The backbone's pass over `[anchor, MASK...]` after the cached context, and its base logits: a drafting
+        round before the head (`draft_block` = `extend_context`, this, then the head)."""
+        batch_size = anchor_ids.shape[0]
+        block_size = self.config.block_size
+        block_ids = anchor_ids.new_full((batch_size, block_size), self.config.mask_token_id)
+        block_ids[:, 0] = anchor_ids
+        position_ids = anchor_position_ids[:, None] + torch.arange(block_size, device=anchor_ids.device)
+        mask = None
+        if past_key_values.attention_mask is not None:
+            block_mask = past_key_values.attention_mask.new_ones(batch_size, block_size)
+            mask = torch.cat([past_key_values.attention_mask, block_mask], dim=-1)[:, None, None, :]
+        context = list(zip(past_key_values.keys, past_key_values.values))
+        block_embeds = embed_tokens(block_ids)
+        compiled = self.__dict__.get("_compiled_drafting")
+        backbone = self.backbone if compiled is None else compiled.backbone
+        draft_hidden = self._draft_slots(backbone(block_embeds, position_ids, context, mask))  # [B, S, D]
+        return DominoBlock(self.base_logits(draft_hidden, lm_head).float(), draft_hidden, block_embeds[:, 0])
+
+    @torch.no_grad()
     def draft_block(
         self,
         anchor_ids: torch.LongTensor,
@@ -829,9 +658,10 @@ class DominoDraftModel(PreTrainedModel):
         logits_processor: Callable | None = None,
         prefix_ids: torch.LongTensor | None = None,
         generator: torch.Generator | None = None,
+        options: DraftingOptions | None = None,
     ) -> DominoDraft:
         r"""
-        One drafting round: append the new context, run the backbone once over `[anchor, MASK...]`, then the head loop.
+        One drafting round: append the new context, run the backbone once over `[anchor, MASK...]`, then the head.
 
         Args:
             anchor_ids (`torch.LongTensor` of shape `(batch_size,)`): the last committed token of each row.
@@ -843,6 +673,7 @@ class DominoDraftModel(PreTrainedModel):
             do_sample (`bool`): sample each draft from softmax of its (processed) logits, else argmax.
             logits_processor (*optional*): called as `logits_processor(ids, logits)` on each slot's logits, with
                 `ids` = `prefix_ids` followed by the drafts so far (transformers' `LogitsProcessorList` works).
+            options (`DraftingOptions`, *optional*): the run-time options; default `self.drafting_options`.
         """
         if anchor_ids.ndim != 1 or anchor_position_ids.shape != anchor_ids.shape:
             # The block is built here from one anchor per row; a longer block input would silently misalign.
@@ -859,308 +690,125 @@ class DominoDraftModel(PreTrainedModel):
                 "draft_block needs target context: pass `target_hidden` (the target's tapped hidden states of the "
                 "prompt) on the first call."
             )
-        batch_size = anchor_ids.shape[0]
-        block_size = self.config.block_size
-        block_ids = anchor_ids.new_full((batch_size, block_size), self.config.mask_token_id)
-        block_ids[:, 0] = anchor_ids
-        position_ids = anchor_position_ids[:, None] + torch.arange(block_size, device=anchor_ids.device)
-        mask = None
-        if past_key_values.attention_mask is not None:
-            block_mask = past_key_values.attention_mask.new_ones(batch_size, block_size)
-            mask = torch.cat([past_key_values.attention_mask, block_mask], dim=-1)[:, None, None, :]
-        context = list(zip(past_key_values.keys, past_key_values.values))
-        block_embeds = embed_tokens(block_ids)
-        hidden = self._drafting_backbone()(block_embeds, position_ids, context, mask)
-        draft_hidden = self._draft_slots(hidden)  # [B, S, D]
-        base_logits = lm_head(draft_hidden.to(lm_head.weight.dtype)).float()  # [B, S, V]
-        if logits_processor is None and not do_sample:
-            tokens, logits = self._greedy_head(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens)
-        else:
+        block = self.block_logits(anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head)
+        choose = None
+        if logits_processor is not None or do_sample:
             choose = slot_chooser(prefix_ids, logits_processor, do_sample, generator)
-            tokens, logits = self._head_loop(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens, choose)
-        return DominoDraft(tokens=tokens, logits=logits)
-
-    def get_candidate_generator(
-        self,
-        target: PreTrainedModel,
-        generation_config,
-        input_ids: torch.LongTensor,
-        logits_processor=None,
-        model_kwargs: dict | None = None,
-        tokenizer=None,
-        **kwargs,
-    ) -> "DominoCandidateGenerator":
-        """The candidate generator `target.generate(..., assistant_model=draft)` uses (see the generate hook below)."""
-        self.check_target(target)
-        if input_ids.shape[1] == 0:
-            raise ValueError(
-                "target.generate(assistant_model=draft) needs the prompt as `input_ids` (with or without "
-                "`inputs_embeds`): the draft drafts from the target's features of the prompt's tokens."
-            )
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"target.generate(assistant_model=draft) decodes one sequence at a time (got batch size "
-                f"{input_ids.shape[0]}): transformers' assisted decoding is batch-1 only. For batches use "
-                "`domino_spec.generation.speculative_generate(target, draft, input_ids, attention_mask=...)`."
-            )
-        for name in ("cache", "past_key_values"):  # the name changed in transformers 5.2x
-            cache = (model_kwargs or {}).get(name)
-            if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError(
-                    f"target.generate(assistant_model=draft) with a prefilled {name} (a cached prompt prefix) is not "
-                    "supported: transformers' assisted decoding then gives wrong tokens, with any assistant, and the "
-                    "draft needs the target's features of the whole prompt. Pass the whole prompt without a cache."
-                )
-        if not _croppable_cache(generation_config.cache_implementation):
-            raise ValueError(
-                f"Domino speculative decoding needs a cache it can crop after each verification; "
-                f"cache_implementation={generation_config.cache_implementation!r} cannot be cropped here. "
-                "Leave cache_implementation unset (dynamic cache), or use 'static' where transformers' static cache "
-                "can be cropped (5.24 on)."
-            )
-        return DominoCandidateGenerator(self, target, generation_config, logits_processor, tokenizer)
-
-
-class DominoCandidateGenerator(CandidateGenerator):
-    """Block candidates for transformers' assisted decoding, on its `requires_model_outputs` protocol.
-
-    The target's verify forward returns all hidden states (`model_kwargs_overrides`), so the draft reads the
-    features of the tokens just accepted with no extra target pass. Drafts are drawn from the same logits
-    processors as the target and their logits returned, so transformers applies exact speculative sampling.
-    """
-
-    requires_model_outputs = True
-    model_kwargs_overrides = {"output_hidden_states": True}
-
-    def __init__(self, draft: DominoDraftModel, target, generation_config, logits_processor=None, tokenizer=None):
-        self.draft = draft
-        self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
-        self.cache = DominoContextCache()
-        self.do_sample = bool(generation_config.do_sample)
-        self.logits_processor = logits_processor if logits_processor else None
-        self.max_length = generation_config.max_length
-        eos = generation_config.eos_token_id
-        self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
-        self.stop_strings = None
-        if generation_config.stop_strings:
-            if tokenizer is None:
-                raise ValueError("stop_strings need the tokenizer: call generate(..., tokenizer=tokenizer).")
-            self.stop_strings = StopStringCriteria(tokenizer, generation_config.stop_strings)
-            if self.do_sample:
-                mask = StopStringDraftMask(self.stop_strings)
-                self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
-
-    def get_candidates(
-        self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
-    ):
-        # The prefill is the target's own first step: it yields the prompt's features and the first anchor.
-        if is_first_iteration:
-            return self._prefill_candidates(input_ids)
-        num_candidates = min(self.draft.config.num_draft_tokens, self.max_length - input_ids.shape[1] - 1)
-        if num_candidates <= 0:
-            return input_ids, None
-        if model_outputs is None or model_outputs.hidden_states is None:
-            raise ValueError("Domino drafting needs the target's hidden states from its last forward.")
-
-        device = self.draft.device
-        cached = self.cache.get_seq_length()
-        num_new = input_ids.shape[1] - 1 - cached  # committed tokens (before the anchor) not yet in the cache
-        target_hidden = self.draft.fuse_target_hidden_states(model_outputs.hidden_states)[:, :num_new]
-        attention_mask = (model_kwargs or {}).get("attention_mask")
-        if attention_mask is not None:
-            attention_mask = attention_mask[:, : input_ids.shape[1]].to(device)
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            context_mask = attention_mask[:, cached:-1]
+        vocab_size = self.config.vocab_size
+        if self.head is None:
+            tokens, logits, confidence = base_drafts(block.base_logits, self.vocab, choose, vocab_size)
         else:
-            positions = torch.arange(input_ids.shape[1], device=device)[None]
-            context_mask = None
-        draft = self.draft.draft_block(
-            anchor_ids=input_ids[:, -1].to(device),
-            anchor_position_ids=positions[:, -1],
-            past_key_values=self.cache,
-            embed_tokens=self.embed_tokens,
-            lm_head=self.lm_head,
-            target_hidden=target_hidden.to(device),
-            context_position_ids=positions[:, cached:-1],
-            context_mask=context_mask,
-            do_sample=self.do_sample,
-            logits_processor=self.logits_processor,
-            prefix_ids=input_ids.to(device),
-        )
-        num_candidates = self._cut_at_stop(input_ids, draft.tokens, num_candidates)
-        if num_candidates == 0:
-            # No candidates: return no logits either, transformers' speculative sampling cannot take an empty block.
-            return input_ids, None
-        tokens = draft.tokens[:, :num_candidates].to(input_ids.device)
-        logits = draft.logits[:, :num_candidates].to(input_ids.device)
-        return torch.cat([input_ids, tokens], dim=-1), logits
+            compiled = self.__dict__.get("_compiled_drafting")
+            tokens, logits, confidence = self.head.draft(
+                *block, embed_tokens, self.vocab, options or self.drafting_options, choose, vocab_size,
+                greedy=greedy_head if compiled is None else compiled.greedy_head,
+            )  # fmt: skip
+        if choose is None:  # greedy logits are the draft vocabulary's
+            logits = to_target_vocabulary(logits, self.vocab, vocab_size)
+        return DominoDraft(tokens=tokens, logits=logits, confidence=confidence)
 
-    def _prefill_candidates(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """No drafts before the target has run, except a placeholder where the prompt itself ends in a stop.
+    def clear_derived_tensors(self) -> None:
+        """Drop the tensors derived from the draft's and the target's weights for fast drafting (the draft's rows of
+        the LM head, the GRU input table, ...); the next drafting round rebuilds them.
 
-        Transformers 5.17 checks its stopping criteria on the candidates' last token: with none that is the prompt's,
-        and a prompt ending in EOS (or a stop string) then got no new token. The placeholder is a token that completes
-        no stop string (EOS where there is one: every version cuts after it), with all of the draft's probability;
-        the target verifies it like any draft (greedy matching, or rejection sampling against a one-hot q), so the
-        output stays exact on every version.
+        Call it after writing weights through `.data`, which bypasses the change check (peft's `merge_adapter` and
+        `unmerge_adapter` do, on the target too).
         """
-        ends_in_stop = int(input_ids[0, -1]) in self.eos_token_ids
-        if self.stop_strings is not None:
-            ends_in_stop = ends_in_stop or bool(self.stop_strings(input_ids, None).any())
-        if not ends_in_stop:
-            return input_ids, None
-        vocab_size = self.lm_head.weight.shape[0]
-        for token in itertools.chain(sorted(self.eos_token_ids), range(vocab_size)):  # EOS first, usually the one
-            placeholder = torch.full_like(input_ids[:, -1:], token)  # [1, 1]
-            if self._cut_at_stop(input_ids, placeholder, 1) == 1:
-                break
-        logits = torch.full((1, 1, vocab_size), -torch.inf, device=input_ids.device)
-        logits[0, 0, token] = 0.0
-        return torch.cat([input_ids, placeholder], dim=-1), logits
+        self.derived.clear()
+        if self.head is not None:
+            self.head.derived.clear()
 
-    def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
-        """Nothing to adapt: the block size is fixed (transformers 5.17's base class raises if not overridden)."""
+    def __getstate__(self) -> dict:
+        """Pickling and copying (`torch.save(draft)`, multiprocessing, `copy.deepcopy`) leave out compiled drafting
+        (call `compile_drafting` again on the copy)."""
+        state = dict(super().__getstate__())
+        state.pop("_compiled_drafting", None)
+        return state
 
-    def _cut_at_stop(self, input_ids: torch.Tensor, tokens: torch.Tensor, num_candidates: int) -> int:
-        """Stop proposing after an EOS draft, and before a draft that would complete a stop string.
+    # ------------------------------------------------------------------ compiled drafting
 
-        Transformers checks stop strings only at the end of the sequence; ending the candidates just before the
-        completing token makes the target's own token land there, so generation stops exactly where plain decoding
-        does. Sampled drafts avoid such tokens (`StopStringDraftMask`): a cut that depended on the sampled value
-        would bias sampling. Where they cannot, the cut happens whatever the draft, and sampling stays exact.
+    def compile_drafting(
+        self, mode: str | None = "reduce-overhead", dynamic_backbone: bool = True
+    ) -> "DominoDraftModel":
+        """Compile the drafting hot path with `torch.compile`: the backbone pass and the greedy head. Returns self.
+
+        The greedy head (`greedy_head`: per-block setup and the slot loop, unrolled over the block) has static
+        shapes, so `mode="reduce-overhead"` captures it in one CUDA graph on CUDA: one launch instead of about ten
+        per slot. The backbone's key length grows every round, so with `dynamic_backbone=True` it is compiled for
+        dynamic shapes and without CUDA graphs (which would record one graph per context length);
+        `dynamic_backbone=False` specializes it to each shape in `mode`, CUDA graphs included: for fixed-shape
+        benchmarks only, as every new context length recompiles.
+
+        `draft_block` then runs the compiled backbone on every call and the compiled head for plain greedy
+        drafting (no logits processor, no sampling); other calls keep the eager loop. Compiled kernels may round
+        differently, so a near-tie can flip a draft token; verification keeps decoding lossless either way.
+        Compilation happens on first use (seconds to minutes), again per batch size and drafting options. The
+        compiled functions are plain attributes, not modules: nothing is saved, and `mode=None` goes back to eager.
         """
-        for index in range(num_candidates):
-            token = int(tokens[0, index])
-            if self.stop_strings is not None:
-                sequence = torch.cat([input_ids, tokens[:, : index + 1].to(input_ids.device)], dim=-1)
-                if bool(self.stop_strings(sequence, None).any()):
-                    return index
-            if token in self.eos_token_ids:
-                return index + 1
-        return num_candidates
+        if mode is None:
+            self.__dict__.pop("_compiled_drafting", None)
+            return self
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile_drafting: mode must be one of {list(COMPILE_MODES)} or None, got {mode!r}.")
+        self.__dict__["_compiled_drafting"] = CompiledDrafting(self.backbone, mode, dynamic_backbone)
+        return self
+
+    @property
+    def is_drafting_compiled(self) -> bool:
+        """Whether `compile_drafting` is on."""
+        return "_compiled_drafting" in self.__dict__
+
+    def get_candidate_generator(self, target: PreTrainedModel, generation_config, input_ids: torch.LongTensor,
+                                logits_processor=None, model_kwargs: dict | None = None, tokenizer=None,
+                                **kwargs) -> DominoCandidateGenerator:  # fmt: skip
+        """The candidate generator `target.generate(..., assistant_model=draft)` uses (`generation_domino.py`)."""
+        return candidate_generator(self, target, generation_config, input_ids, logits_processor, model_kwargs,
+                                   tokenizer)  # fmt: skip
 
 
-class StopStringDraftMask:
-    """A logits processor for sampled drafts: tokens that would complete a stop string get -inf.
-
-    Speculative sampling corrects any draft distribution exactly, so the target still produces such a token where
-    its own distribution says so, as its next token, and generation stops there. A row where every token would
-    complete a stop string is left as it is: the block is then cut there whatever the draft (`_cut_at_stop`).
-    """
-
-    def __init__(self, stop_strings: StopStringCriteria):
-        self.stop_strings = stop_strings
-        # Per token, the lengths of the stop strings' ends it can hold; -1 pads. A token holding none ends no match.
-        first_end_column = stop_strings.max_valid_positions * stop_strings.num_stop_strings
-        end_lengths = stop_strings.embedding_vec[:, first_end_column:-1]
-        self.final_tokens = (end_lengths > 0).any(dim=-1).nonzero().flatten()  # [F]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        tokens = self.final_tokens[self.final_tokens < scores.shape[-1]].to(input_ids.device)
-        if tokens.numel() == 0:
-            return scores
-        tail = input_ids[:, -self.stop_strings.maximum_token_len :]  # a match spans at most this many tokens
-        masked = scores.clone()
-        for row in range(input_ids.shape[0]):
-            continued = torch.cat([tail[row].expand(len(tokens), -1), tokens[:, None]], dim=-1)  # [F, T + 1]
-            completing = tokens[self.stop_strings(continued, None)].to(scores.device)
-            masked[row, completing] = float("-inf")
-            if bool(torch.isneginf(masked[row]).all()):
-                masked[row] = scores[row]
-        return masked
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
-# ---------------------------------------------------------------------- generate(assistant_model=draft) hook
+class CompiledDrafting:
+    """What `DominoDraftModel.compile_drafting` builds: the compiled backbone and greedy head (not modules)."""
 
-_HOOK_PARAMETERS = ("generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model")
+    def __init__(self, backbone: Callable[..., torch.Tensor], mode: str, dynamic_backbone: bool):
+        self.mode, self.dynamic_backbone = mode, dynamic_backbone
+        # With dynamic shapes, CUDA graphs would still be recorded once per context length: compile without them.
+        backbone_mode = _WITHOUT_CUDA_GRAPHS.get(mode, mode) if dynamic_backbone else mode
+        self._backbone_graphs = backbone_mode in _WITHOUT_CUDA_GRAPHS
+        self._backbone = torch.compile(backbone, mode=backbone_mode, dynamic=dynamic_backbone)
+        self._greedy_head = torch.compile(greedy_head, mode=mode, dynamic=False)
 
+    def backbone(self, *args) -> torch.Tensor:
+        """`DominoDraftModel.backbone`, compiled."""
+        if not self._backbone_graphs:
+            return self._backbone(*args)
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._backbone(*args).clone()  # the head's graph must not read a buffer a later replay rewrites
 
-def install_generate_hook() -> bool:
-    """Let an assistant model supply its own candidate generator in `GenerationMixin.generate`.
-
-    Transformers has no such hook, so this wraps the private `_get_candidate_generator` once: when the assistant
-    has a `get_candidate_generator` method, that is used; otherwise nothing changes. If the private signature is
-    not the expected one, warn once and leave generate untouched. Returns whether the hook is installed.
-    """
-    original = GenerationMixin._get_candidate_generator
-    if getattr(original, "_domino_hook", False):
-        _install_validation_hook()  # a copy of this file (trust_remote_code) may have installed the first hook only
-        return True
-    parameters = inspect.signature(original).parameters
-    if not all(name in parameters for name in _HOOK_PARAMETERS):
-        warnings.warn(
-            "domino: transformers' GenerationMixin._get_candidate_generator has an unexpected signature; "
-            "generate(assistant_model=draft) will not use Domino drafting. Use "
-            "domino_spec.generation.speculative_generate instead.",
-            stacklevel=2,
-        )
-        return False
-
-    @functools.wraps(original)
-    def _get_candidate_generator(self, *args, **kwargs):
-        bound = inspect.signature(original).bind(self, *args, **kwargs)
-        arguments = bound.arguments
-        factory = getattr(arguments.get("assistant_model"), "get_candidate_generator", None)
-        if factory is None:
-            return original(self, *args, **kwargs)
-        return factory(
-            target=self,
-            generation_config=arguments["generation_config"],
-            input_ids=arguments["input_ids"],
-            logits_processor=arguments["logits_processor"],
-            model_kwargs=arguments["model_kwargs"],
-            tokenizer=arguments.get("target_tokenizer"),
-        )
-
-    _get_candidate_generator._domino_hook = True
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
-    _install_validation_hook()
-    return True
+    def greedy_head(self, base_logits, draft_hidden, anchor_embeds, weights, *static) -> tuple[torch.Tensor, ...]:
+        """`head_domino.greedy_head`, compiled; returns tensors the caller owns."""
+        for tensor in weights:
+            if isinstance(tensor, torch.Tensor):
+                # Weights keep their address across calls: CUDA graphs read them in place instead of copying them
+                # into the graph's input buffers every call (parameters are marked so by torch.compile already).
+                torch._dynamo.mark_static_address(tensor)
+        torch.compiler.cudagraph_mark_step_begin()  # a new drafting round: earlier graph outputs may be overwritten
+        outputs = self._greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *static)
+        return tuple(output.clone() for output in outputs)  # the next replay overwrites a CUDA graph's outputs
 
 
-def _install_validation_hook() -> None:
-    """Run the assistant's own `check_target` before transformers rejects an assistant of another vocabulary.
-
-    `generate` validates assistants (`_validate_generation_mode`, 5.17 to 5.24) before building the candidate
-    generator, and takes another vocabulary size for another tokenizer ("universal assisted decoding"). A Domino
-    draft drafts with the target's own embeddings and LM head, so its `check_target` names the real mismatch. It runs
-    only where transformers would raise, so a draft's name warning is not given twice. Other assistants, and
-    transformers versions without this method, are left as they are.
-    """
-    original = getattr(GenerationMixin, "_validate_generation_mode", None)
-    if original is None or getattr(original, "_domino_hook", False):
-        return
-    signature = inspect.signature(original)
-    if "generation_mode_kwargs" not in signature.parameters:
-        return
-
-    @functools.wraps(original)
-    def _validate_generation_mode(self, *args, **kwargs):
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        assistant = (arguments.get("generation_mode_kwargs") or {}).get("assistant_model")
-        check_target = getattr(assistant, "check_target", None)
-        if callable(check_target) and hasattr(assistant, "get_candidate_generator"):
-            target_vocab_size = self.config.get_text_config().vocab_size
-            if target_vocab_size != assistant.config.get_text_config().vocab_size:
-                check_target(self)
-        return original(self, *args, **kwargs)
-
-    _validate_generation_mode._domino_hook = True
-    GenerationMixin._validate_generation_mode = _validate_generation_mode
-
-
-install_generate_hook()
-# save_pretrained then writes `auto_map` and copies this file (and the config file) into the checkpoint.
-DominoDraftModel.register_for_auto_class("AutoModel")
+DominoDraftModel.register_for_auto_class("AutoModel")  # save_pretrained then writes `auto_map` and copies the code
 
 __all__ = [
-    "DominoCandidateGenerator",
+    "CompiledDrafting",
+    "DominoBlock",
     "DominoContextCache",
     "DominoDraft",
     "DominoDraftModel",
     "DominoOutput",
     "block_attention_mask",
     "flex_block_attention_mask",
-    "install_generate_hook",
 ]

@@ -1,13 +1,16 @@
-"""The published Domino / z-lab DFlash checkpoint format (DESIGN.md section 2), and checks of checkpoint folders.
+"""The published Domino / z-lab DFlash checkpoint format, and checks of checkpoint folders.
 
-All conversion between our `DominoConfig` / state dicts and the published layout lives here, called explicitly: by
-`DominoDraftModel.from_pretrained` when it detects a published folder, and by `domino-spec export`.
+All conversion between our `DominoConfig` / state dicts and other layouts lives here, called explicitly: by
+`DominoDraftModel.from_pretrained` when it detects such a folder, and by `domino-spec export`.
 
-Published layout: `config.json` with `model_type: "qwen3"`, the Qwen3 layer fields, `block_size`, `num_target_layers`
-and a nested `dflash_config` (`mask_token_id`, `target_layer_ids`, and for Domino `projector_type: "domino"`,
-`emb_dim`, `gru_hidden_dim`, `pure_draft_prefix_len`, `shift_label`); weights in `model.safetensors` (or shards with
-`model.safetensors.index.json`) under our own parameter names. Older Domino checkpoints nest the head under
-`logit_head.`; some writers prefix everything with `model.`.
+Published layout (what SGLang serves): `config.json` with `model_type: "qwen3"`, the Qwen3 layer fields,
+`block_size`, `num_target_layers` and a nested `dflash_config` (`mask_token_id`, `target_layer_ids`, and for Domino
+`projector_type: "domino"`, `emb_dim` (our `residual_rank`), `gru_hidden_dim`, `pure_draft_prefix_len` (our
+`first_corrected_slot`), `shift_label`); weights in `model.safetensors` (or shards with
+`model.safetensors.index.json`), the head's at the top level (`prefix_gru.*`, `embed_proj.*`), ours under `head.`.
+Older Domino checkpoints nest the head under `logit_head.`; some writers prefix everything with `model.`; our own
+older folders have the head at the top level too. The published format has no draft vocabulary: an export drafts
+over the whole vocabulary (`W_up` rows of zeros outside the draft vocabulary).
 
 This file is copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`), so it imports only
 torch, transformers and safetensors.
@@ -38,12 +41,16 @@ SUPPORTED_FORMATS = {
 PUBLISHED_ARCHITECTURES = {PUBLISHED_DOMINO: "DominoDraftModel", PUBLISHED_DFLASH: "DFlashDraftModel"}
 DOMINO_PROJECTOR = "domino"
 
-# Published prefix -> our prefix; longest first, so the nested `logit_head.` layout wins over a bare `model.`.
+# Prefixes of other layouts -> ours, applied in order: first a writer's `model.`, then the head's place.
 KEY_PREFIX_RENAMES = (
-    ("logit_head.prefix_gru.", "prefix_gru."),
-    ("logit_head.embed_proj.", "embed_proj."),
     ("model.", ""),
+    ("logit_head.", "head."),
+    ("prefix_gru.", "head.prefix_gru."),
+    ("embed_proj.", "head.embed_proj."),
 )
+HEAD_PREFIX = "head."  # where our head's weights live; the published names drop it
+DRAFT_VOCAB_KEY = "draft_vocab"
+RESIDUAL_UP_KEY = "head.embed_proj.2.weight"  # W_up, a row per draft-vocabulary token
 # Buffers some writers save although they are recomputed at load time.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -59,7 +66,13 @@ OPTIONAL_LAYER_FIELDS = (
     "attention_dropout",
     "initializer_range",
 )
-DOMINO_HEAD_FIELDS = ("gru_hidden_dim", "emb_dim", "pure_draft_prefix_len", "shift_label")
+# The head's published config fields -> ours.
+DOMINO_HEAD_FIELDS = {
+    "gru_hidden_dim": "gru_hidden_dim",
+    "emb_dim": "residual_rank",
+    "pure_draft_prefix_len": "first_corrected_slot",
+    "shift_label": "shift_label",
+}
 
 
 # ---------------------------------------------------------------------- folders and files
@@ -185,16 +198,25 @@ def check_checkpoint_folder(folder: str) -> str:
     return checkpoint_format
 
 
-def published_config_path(path: str, **kwargs) -> str | None:
-    """The `config.json` of `path` when it is a published Domino or DFlash checkpoint, else None."""
-    config_path = resolve_file(str(path), CONFIG_NAME, **_hub_kwargs(kwargs))
+def needs_conversion(path: str, **kwargs) -> bool:
+    """Whether the checkpoint at `path` is in another layout than `save_pretrained` writes today: a published Domino
+    or DFlash one, or our own older one (the head's weights at the top level)."""
+    hub_kwargs = _hub_kwargs(kwargs)
+    config_path = resolve_file(str(path), CONFIG_NAME, **hub_kwargs)
     if config_path is None:
-        return None
+        return False
     try:
         checkpoint_format = detect_format(read_config_dict(config_path), config_path)
     except ValueError:
-        return None
-    return config_path if checkpoint_format != NATIVE else None
+        return False
+    if checkpoint_format != NATIVE:
+        return True
+    try:
+        files = weight_files(str(path), **hub_kwargs)
+    except (OSError, ValueError):
+        return False  # transformers' own loader reports what is missing
+    keys = (key for file in files for key in check_safetensors_file(file))
+    return any(rename_key(key) != key for key in keys)
 
 
 # ---------------------------------------------------------------------- config: published <-> DominoConfig fields
@@ -252,9 +274,9 @@ def config_fields_from_published(config: dict, source: str = CONFIG_NAME) -> dic
     else:
         fields["use_domino_head"] = True
         fields["gru_hidden_dim"] = _require(_pick(config, "gru_hidden_dim"), "gru_hidden_dim", source)
-        fields["emb_dim"] = _emb_dim(config, source)
+        fields["residual_rank"] = _emb_dim(config, source)
         for name in ("pure_draft_prefix_len", "shift_label"):
-            fields[name] = _require(_pick(config, name), name, source)
+            fields[DOMINO_HEAD_FIELDS[name]] = _require(_pick(config, name), name, source)
     return fields
 
 
@@ -289,9 +311,9 @@ def config_to_published(config, dtype: torch.dtype = torch.bfloat16, auto_map: d
     }
     if head:
         dflash_config.update(
-            projector_type=DOMINO_PROJECTOR, **{name: getattr(config, name) for name in DOMINO_HEAD_FIELDS}
+            projector_type=DOMINO_PROJECTOR, **{name: getattr(config, ours) for name, ours in DOMINO_HEAD_FIELDS.items()}
         )
-        published["emb_dim"] = config.emb_dim  # duplicated at the top level, as in the published checkpoints
+        published["emb_dim"] = config.residual_rank  # duplicated at the top level, as in the published checkpoints
     published["dflash_config"] = dflash_config
     published.update({name: getattr(config, name) for name in REQUIRED_LAYER_FIELDS + OPTIONAL_LAYER_FIELDS})
     published.update(_rope_fields(config.rope_parameters))
@@ -306,22 +328,23 @@ def config_to_published(config, dtype: torch.dtype = torch.bfloat16, auto_map: d
 # ---------------------------------------------------------------------- weights: published <-> ours
 
 
-def rename_published_key(key: str) -> str:
-    for published_prefix, our_prefix in KEY_PREFIX_RENAMES:
-        if key.startswith(published_prefix):
-            return our_prefix + key[len(published_prefix) :]
+def rename_key(key: str) -> str:
+    """A weight's name in another layout (published, older) as ours."""
+    for other_prefix, our_prefix in KEY_PREFIX_RENAMES:
+        if key.startswith(other_prefix):
+            key = our_prefix + key[len(other_prefix) :]
     return key
 
 
-def load_published_state_dict(files: list[str]) -> dict[str, torch.Tensor]:
-    """Tensors of the weight files under our names (legacy `logit_head.` / `model.` prefixes mapped)."""
+def load_renamed_state_dict(files: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors of the weight files under our names (`rename_key`)."""
     state_dict = {}
     for path in files:
         try:
             with safe_open(path, framework="pt") as file:
                 for key in file.keys():
                     if not key.endswith(IGNORED_KEY_SUFFIXES):
-                        state_dict[rename_published_key(key)] = file.get_tensor(key)
+                        state_dict[rename_key(key)] = file.get_tensor(key)
         except SafetensorError as error:
             raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {error}") from error
     return state_dict
@@ -347,9 +370,18 @@ def check_state_dict(state_dict: dict, expected: dict[str, torch.Size], source: 
         raise ValueError(f"The weights in {source} do not match its config.json: " + "; ".join(problems) + ".")
 
 
-def state_dict_to_published(state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Our parameters under the published names (they are the same names), cast to `dtype`, contiguous."""
-    return {key: tensor.detach().to(dtype=dtype, device="cpu").contiguous() for key, tensor in state_dict.items()}
+def state_dict_to_published(
+    state_dict: dict[str, torch.Tensor], vocab_size: int, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """Our parameters under the published names, cast to `dtype`, contiguous. A draft vocabulary, which the format
+    cannot hold, becomes the whole `vocab_size`: `W_up` gets rows of zeros for the tokens outside it."""
+    state_dict = dict(state_dict)
+    vocab = state_dict.pop(DRAFT_VOCAB_KEY, None)
+    if vocab is not None and RESIDUAL_UP_KEY in state_dict:
+        up = state_dict[RESIDUAL_UP_KEY]
+        state_dict[RESIDUAL_UP_KEY] = up.new_zeros(vocab_size, up.shape[1]).index_copy_(0, vocab, up)
+    return {key.removeprefix(HEAD_PREFIX): tensor.detach().to(dtype=dtype, device="cpu").contiguous()
+            for key, tensor in state_dict.items()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------- load and save
@@ -375,12 +407,12 @@ def _model_options(kwargs: dict, source: str) -> dict:
     return options
 
 
-def load_published(model_class, path: str, **kwargs):
-    """A `model_class` (`DominoDraftModel`) built from a published Domino or DFlash checkpoint at `path`.
+def load_converted(model_class, path: str, **kwargs):
+    """A `model_class` (`DominoDraftModel`) built from a checkpoint in another layout (`needs_conversion`) at `path`.
 
     Loading options of `from_pretrained` (`dtype` or the legacy `torch_dtype`, `device_map`, `attn_implementation`,
     Hub arguments) apply; the default dtype is the checkpoint's, as transformers does. A `config` argument (AutoModel
-    passes the folder's Qwen3Config) is ignored but for its attention implementation: the config comes from the
+    passes the folder's config) is ignored but for its attention implementation: the config comes from the
     conversion. Any other option is ignored with a warning naming it.
     """
     options = _model_options(kwargs, str(path))
@@ -388,15 +420,19 @@ def load_published(model_class, path: str, **kwargs):
     config_path = resolve_file(str(path), CONFIG_NAME, **hub_kwargs)
     if config_path is None:
         raise FileNotFoundError(f"{path} has no {CONFIG_NAME}.")
-    published = read_config_dict(config_path)
-    config = model_class.config_class(**config_fields_from_published(published, config_path))
+    raw_config = read_config_dict(config_path)
+    if detect_format(raw_config, config_path) == NATIVE:  # our older layout: the config reads its older names
+        config = model_class.config_class.from_pretrained(str(path), **hub_kwargs)
+    else:
+        config = model_class.config_class(**config_fields_from_published(raw_config, config_path))
     files = weight_files(str(path), **hub_kwargs)
-    state_dict = load_published_state_dict(files)
+    state_dict = load_renamed_state_dict(files)
     with torch.device("meta"):
         expected = {key: value.shape for key, value in model_class(config).state_dict().items()}
     check_state_dict(state_dict, expected, ", ".join(files))
     if options.get("dtype", "auto") == "auto":
-        options["dtype"] = checkpoint_dtype(published) or next(iter(state_dict.values())).dtype
+        floats = (tensor.dtype for tensor in state_dict.values() if tensor.is_floating_point())
+        options["dtype"] = checkpoint_dtype(raw_config) or next(floats)
     model = model_class.from_pretrained(None, config=config, state_dict=state_dict, **options)
     model.name_or_path = str(path)
     return model.eval()
@@ -408,7 +444,7 @@ def save_published(model, output_dir: str, dtype: torch.dtype = torch.bfloat16, 
     with open(os.path.join(output_dir, CONFIG_NAME), "w", encoding="utf-8") as file:
         json.dump(config_to_published(model.config, dtype, auto_map), file, indent=2, sort_keys=False)
         file.write("\n")
-    weights = state_dict_to_published(model.state_dict(), dtype)
+    weights = state_dict_to_published(model.state_dict(), model.config.vocab_size, dtype)
     save_file(weights, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
@@ -418,7 +454,7 @@ __all__ = [
     "config_fields_from_published",
     "config_to_published",
     "detect_format",
-    "load_published",
-    "published_config_path",
+    "load_converted",
+    "needs_conversion",
     "save_published",
 ]

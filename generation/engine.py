@@ -11,7 +11,6 @@ features of the verified slots enter the draft cache at the start of the next ro
 Shapes: B batch (active rows), P prompt, C cache slots, S drafts per block, V vocabulary, F fused target features.
 """
 
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -19,7 +18,9 @@ import torch
 from transformers import DynamicCache, DynamicLayer, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from ..modeling_domino import DominoContextCache
+from ..cache_domino import DominoContextCache
+from ..drafting import DraftCosts, DraftingOptions, choose_draft_length, measure_draft_costs
+from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 
 
@@ -42,6 +43,8 @@ class SpeculativeOutput:
         num_new_tokens (`list[int]`): tokens generated per row.
         prefill_time, draft_time, verify_time, total_time (`float`): seconds; verify includes acceptance.
         num_rounds (`int`): verify passes after the prefill (batched: one pass serves every active row).
+        drafts_verified (`int`): drafts the verify passes read, summed over rounds (with the cost-aware draft length,
+            fewer than the block's).
     """
 
     sequences: torch.LongTensor
@@ -55,6 +58,7 @@ class SpeculativeOutput:
     verify_time: float = 0.0
     total_time: float = 0.0
     num_rounds: int = 0
+    drafts_verified: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -99,16 +103,6 @@ class DeviceClock:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
-
-
-def _forward_argument_names(target: PreTrainedModel) -> tuple[str, bool]:
-    """The target forward's cache keyword (`cache` from transformers 5.24, `past_key_values` before) and whether it
-    takes `logits_to_keep`."""
-    # A PEFT-wrapped target (PeftModel) takes **kwargs and passes them to the wrapped model: read that one's signature.
-    model = target.get_base_model() if hasattr(target, "get_base_model") else target
-    parameters = inspect.signature(model.forward).parameters
-    cache_name = "cache" if "cache" in parameters else "past_key_values"
-    return cache_name, "logits_to_keep" in parameters
 
 
 def _token_ids(value, name: str) -> list[int]:
@@ -156,6 +150,8 @@ class _Setup:
     eos: torch.LongTensor  # [E] stop tokens
     max_new_tokens: int
     num_drafts: int  # S, 0 for plain decoding
+    options: DraftingOptions | None
+    costs: DraftCosts | None  # what the cost-aware draft length weighs; None: verify every draft
     cache_name: str  # the target forward's cache keyword
     takes_logits_to_keep: bool
 
@@ -176,7 +172,7 @@ class _Record:
         self.accepted = torch.zeros(setup.num_drafts, dtype=torch.long)  # per draft position
         self.verified = torch.zeros(setup.num_drafts, dtype=torch.long)
         self.draft_time = self.verify_time = 0.0
-        self.num_rounds = 0
+        self.num_rounds = self.drafts_verified = 0
 
     def commit(self, rows: _Rows, candidates: torch.Tensor, count: torch.Tensor, is_round: bool) -> None:
         """Append each row's first `count` candidates `[B, S + 1]` after its previous tokens."""
@@ -196,6 +192,7 @@ class _Record:
         self.draft_time += draft_time
         self.verify_time += verify_time
         self.num_rounds += 1
+        self.drafts_verified += num_drafts
 
     def output(self, input_ids: torch.Tensor, prefill_time: float, total_time: float) -> SpeculativeOutput:
         return SpeculativeOutput(
@@ -210,6 +207,7 @@ class _Record:
             verify_time=self.verify_time,
             total_time=total_time,
             num_rounds=self.num_rounds,
+            drafts_verified=self.drafts_verified,
         )
 
 
@@ -240,6 +238,7 @@ def speculative_generate(
     streamer=None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    options: DraftingOptions | None = None,
 ) -> SpeculativeOutput:
     r"""
     Lossless speculative decoding of a batch with a Domino draft, or plain decoding with `draft=None`.
@@ -257,10 +256,12 @@ def speculative_generate(
         eos_token_id: stop tokens; defaults to `target.generation_config.eos_token_id`.
         streamer: a transformers streamer (batch size 1 only); pad_token_id: fills finished rows (default: the
             target's pad token, else the first EOS, else 0). generator: RNG for sampling.
+        options (`DraftingOptions`, *optional*): drafting's run-time options, `draft.drafting_options` by default;
+            with a cost-aware draft length (on CPU by default) each round verifies only the drafts that pay.
     """
     attention_mask = _check_inputs(target, draft, input_ids, attention_mask, max_new_tokens, streamer)
     setup, pad_token_id = _make_setup(target, draft, input_ids.device, max_new_tokens, do_sample, temperature, top_k,
-                                      top_p, eos_token_id, pad_token_id, generator)
+                                      top_p, eos_token_id, pad_token_id, generator, options)
     clock = DeviceClock(input_ids.device)
     start = clock()
     record = _Record(input_ids.shape[0], setup, pad_token_id, input_ids.device)
@@ -280,6 +281,7 @@ def speculative_generate(
         num_drafts = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
         tick = clock()
         draft_tokens, draft_logits = _draft(setup, rows, draft_cache, num_drafts)  # [B, S], [B, S, V]
+        num_drafts = draft_tokens.shape[1]
         tock = clock()
         outputs, verify_positions = _verify(setup, rows, draft_tokens, cache)
         num_accepted, next_token = _accept(setup, draft_tokens, draft_logits, outputs.logits)
@@ -308,13 +310,17 @@ def speculative_generate(
 
 
 def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-                pad_token_id, generator) -> tuple[_Setup, int]:
-    """Resolve defaults from the target's generation config; returns the setup and the pad token."""
+                pad_token_id, generator, options) -> tuple[_Setup, int]:
+    """Resolve defaults from the target's generation config and the draft's options; returns the setup and the pad
+    token."""
     config = target.generation_config
     eos_ids = _token_ids(eos_token_id if eos_token_id is not None else config.eos_token_id, "eos_token_id")
     if pad_token_id is None:
         pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    cache_name, takes_logits_to_keep = _forward_argument_names(target)
+    options = options or (draft.drafting_options if draft is not None else None)
+    costs = None
+    if draft is not None and options.cost_aware(device):
+        costs = options.draft_costs or measure_draft_costs(target, draft)
     setup = _Setup(
         target=target,
         draft=draft,
@@ -324,8 +330,10 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
         eos=torch.tensor(eos_ids, dtype=torch.long, device=device),
         max_new_tokens=max_new_tokens,
         num_drafts=draft.config.num_draft_tokens if draft is not None else 0,
-        cache_name=cache_name,
-        takes_logits_to_keep=takes_logits_to_keep,
+        options=options,
+        costs=costs,
+        cache_name=cache_keyword(target),
+        takes_logits_to_keep=takes_argument(target, "logits_to_keep"),
     )
     return setup, pad_token_id
 
@@ -333,9 +341,7 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
 def _new_target_cache(target: PreTrainedModel, batch_size: int, num_drafts: int, max_slots: int) -> DynamicCache:
     """The target's cache, checked against what a batch does to it: finished rows leave it (`batch_select_indices`)
     and, with drafts, rejected ones stay in it as masked holes, up to `max_slots` slots per row."""
-    cache = DynamicCache(config=target.config)
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()  # sliding-window layers can then be cropped back after a verify pass
+    cache = new_dynamic_cache(target.config)
     for layer in cache.layers if batch_size > 1 else []:
         if num_drafts and not _ignores_holes(layer, max_slots):
             problem = ("would give wrong tokens: a row's rejected drafts stay in them as masked holes, which only full "
@@ -388,7 +394,8 @@ def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, s
 
 
 def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_drafts: int):
-    """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts).
+    """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts), at
+    most `num_drafts` of them: fewer where the cost-aware draft length says more would not pay.
 
     The features of the slots verified last round enter the draft cache first, so both caches stay aligned.
     """
@@ -411,8 +418,11 @@ def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_draf
         do_sample=setup.do_sample,
         logits_processor=setup.warpers if len(setup.warpers) > 0 else None,
         generator=setup.generator,
+        options=setup.options,
     )
     rows.features = rows.feature_positions = rows.feature_mask = None
+    if setup.costs is not None:
+        num_drafts = min(num_drafts, choose_draft_length(block.confidence, setup.costs))
     return block.tokens[:, :num_drafts], block.logits[:, :num_drafts]
 
 

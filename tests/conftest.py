@@ -82,7 +82,7 @@ def tiny_target(family: str = "qwen3", dtype: torch.dtype = torch.float32, seed:
 def tiny_draft(target, seed: int = 1, **overrides) -> DominoDraftModel:
     """A random draft for `target`: 2 layers, block 4, tapping target layers 1 and 3."""
     torch.manual_seed(seed)
-    fields = dict(num_hidden_layers=2, block_size=4, target_layer_ids=[1, 3], gru_hidden_dim=32, emb_dim=16)
+    fields = dict(num_hidden_layers=2, block_size=4, target_layer_ids=[1, 3], gru_hidden_dim=32, residual_rank=16)
     fields.update(overrides)
     return DominoDraftModel.from_target(target, **fields).eval()
 

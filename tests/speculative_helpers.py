@@ -45,7 +45,7 @@ class OracleDraft(DominoDraftModel):
         tokens = torch.tensor(proposals, dtype=torch.long, device=anchor_ids.device)  # [B, S]
         logits = torch.full((*tokens.shape, self.config.vocab_size), -30.0, device=anchor_ids.device)
         logits.scatter_(-1, tokens[..., None], 30.0)
-        return DominoDraft(tokens=tokens, logits=logits)
+        return DominoDraft(tokens=tokens, logits=logits, confidence=torch.ones(tokens.shape, device=tokens.device))
 
 
 @torch.no_grad()

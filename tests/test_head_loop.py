@@ -6,9 +6,9 @@ import torch
 from conftest import tiny_draft, tiny_target
 from speculative_helpers import draft_from_scratch
 
-from domino_spec import DominoContextCache
+from domino_spec import DominoContextCache, DraftingOptions
 from domino_spec.generation import speculative_generate
-from domino_spec.head_domino import greedy_head, head_block_inputs, head_slot_loop, slot_chooser
+from domino_spec.head_domino import block_inputs, greedy_head, slot_chooser, slot_loop
 
 
 def _target_and_draft(device: str = "cpu", **draft_fields):
@@ -16,7 +16,7 @@ def _target_and_draft(device: str = "cpu", **draft_fields):
     target = tiny_target("qwen3").to(device)
     draft = tiny_draft(target, block_size=6, **draft_fields).to(device)
     with torch.no_grad():
-        draft.embed_proj[2].weight.mul_(50.0)
+        draft.head.embed_proj[2].weight.mul_(50.0)
     return target, draft
 
 
@@ -28,11 +28,12 @@ def target_and_draft():
 def test_gru_input_table_matches_per_step_projection(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
-    draft.config.gru_input_table_max_bytes = 0
+    draft.drafting_options = DraftingOptions(gate_table_max_bytes=0)
     direct = draft_from_scratch(draft, target, input_ids)
-    draft.config.gru_input_table_max_bytes = 2**30
+    assert "gate_table" not in draft.head.derived
+    draft.drafting_options = DraftingOptions(gate_table_max_bytes=2**30)
     tabled = draft_from_scratch(draft, target, input_ids)
-    assert "gru_input_table" in draft.__dict__["_derived_tensors"]
+    assert "gate_table" in draft.head.derived
     assert torch.equal(direct.tokens, tabled.tokens)
     torch.testing.assert_close(tabled.logits, direct.logits)
 
@@ -42,8 +43,8 @@ def test_derived_weights_follow_weight_updates(target_and_draft):
     input_ids = torch.randint(0, 100, (2, 12))
     before = draft_from_scratch(draft, target, input_ids)
     with torch.no_grad():
-        draft.prefix_gru.weight_ih_l0.mul_(-1.0)  # in place: same storage, new version
-        draft.embed_proj[2].weight.mul_(-1.0)
+        draft.head.prefix_gru.weight_ih_l0.mul_(-1.0)  # in place: same storage, new version
+        draft.head.embed_proj[2].weight.mul_(-1.0)
     after = draft_from_scratch(draft, target, input_ids)
     draft.clear_derived_tensors()
     rebuilt = draft_from_scratch(draft, target, input_ids)
@@ -56,8 +57,8 @@ def test_clear_derived_tensors_after_writing_weights_through_data(target_and_dra
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (2, 12))
     draft_from_scratch(draft, target, input_ids)  # builds the derived tensors
-    draft.prefix_gru.weight_hh_l0.data.mul_(-1.0)
-    draft.embed_proj[2].weight.data.mul_(-1.0)
+    draft.head.prefix_gru.weight_hh_l0.data.mul_(-1.0)
+    draft.head.embed_proj[2].weight.data.mul_(-1.0)
     draft.clear_derived_tensors()
     fresh = tiny_draft(target, block_size=6)
     fresh.load_state_dict(draft.state_dict())
@@ -71,7 +72,7 @@ def test_derived_tensors_are_rebuilt_for_a_new_source_where_a_freed_one_was(targ
     _, draft = target_and_draft
 
     def doubled(source: torch.Tensor) -> torch.Tensor:
-        return draft._derived("doubled", (source,), lambda: source * 2)
+        return draft.head.derived.get("doubled", (source,), lambda: source * 2)
 
     for attempt in range(20):  # the allocator reuses a freed block often, not always
         doubled(torch.ones(64, 64))  # its source is freed on return
@@ -86,15 +87,16 @@ def test_drafted_tokens_are_embedded_as_in_training(table_bytes):
     Gemma3's module scales its rows by sqrt(hidden): a row of its weight is not the token's embedding."""
     target = tiny_target("gemma3")
     draft = tiny_draft(target, block_size=6)
-    draft.embed_proj[2].weight.mul_(50.0)
-    draft.config.gru_input_table_max_bytes = table_bytes
+    draft.head.embed_proj[2].weight.mul_(50.0)
+    options = DraftingOptions(gate_table_max_bytes=table_bytes)
     embed_tokens = target.get_input_embeddings()
     draft_hidden = torch.randn(3, draft.config.num_draft_tokens, draft.config.hidden_size)
     base_logits = target.get_output_embeddings()(draft_hidden)
     anchors = torch.randint(0, 100, (3, 1))
-    tokens, logits = draft._head_loop(base_logits, draft_hidden, embed_tokens(anchors[:, 0]), embed_tokens)
+    tokens, logits, _ = draft.head.draft(base_logits, draft_hidden, embed_tokens(anchors[:, 0]), embed_tokens, None,
+                                         options)  # fmt: skip
     ground_truth = torch.cat([anchors, tokens[:, :-1]], dim=1)  # as if the drafts were the training data
-    teacher_forced = draft._teacher_forced_logits(base_logits, draft_hidden, embed_tokens(ground_truth))
+    teacher_forced = draft.head(base_logits, draft_hidden, embed_tokens(ground_truth))
     torch.testing.assert_close(logits, teacher_forced)
 
 
@@ -102,7 +104,7 @@ def test_candidate_pool_of_the_whole_vocabulary_changes_nothing(target_and_draft
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
     full = draft_from_scratch(draft, target, input_ids)
-    draft.config.head_candidate_pool = draft.config.vocab_size
+    draft.drafting_options = DraftingOptions(candidate_pool=draft.config.vocab_size)
     pooled = draft_from_scratch(draft, target, input_ids)
     assert torch.equal(full.tokens, pooled.tokens)
     torch.testing.assert_close(pooled.logits, full.logits)
@@ -111,27 +113,27 @@ def test_candidate_pool_of_the_whole_vocabulary_changes_nothing(target_and_draft
 def test_candidate_pool_restricts_greedy_drafts_to_the_best_base_tokens(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
-    draft.config.head_candidate_pool = 3
+    draft.drafting_options = DraftingOptions(candidate_pool=3)
     pooled = draft_from_scratch(draft, target, input_ids)
-    prefix = draft.config.pure_draft_prefix_len
+    prefix = draft.config.first_corrected_slot
     finite = torch.isfinite(pooled.logits[:, prefix:])
     assert (finite.sum(-1) == 3).all()  # only the pool keeps a logit
     assert torch.equal(pooled.logits.argmax(-1), pooled.tokens)
 
 
-@pytest.mark.parametrize("pool", [-1, 129])
-def test_candidate_pool_set_on_a_loaded_draft_is_checked_when_drafting(target_and_draft, pool):
-    target, draft = target_and_draft
-    draft.config.head_candidate_pool = pool
-    with pytest.raises(ValueError, match=rf"head_candidate_pool={pool} is invalid: expected 0 \(off\) or a pool size"):
-        draft_from_scratch(draft, target, torch.randint(0, 100, (1, 9)))
+@pytest.mark.parametrize("pool", [-1, 2.0, True])
+def test_drafting_options_refuse_an_invalid_candidate_pool(pool):
+    with pytest.raises(ValueError, match=rf"candidate_pool={pool} is invalid: expected 0 \(off\) or a pool size"):
+        DraftingOptions(candidate_pool=pool)
+    with pytest.raises(ValueError, match="fused_step=True is invalid: expected False, or True with candidate_pool"):
+        DraftingOptions(fused_step=True)
 
 
 def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_draft):
     """A logits processor may mask every token of a pool: processed or sampled drafts score the whole vocabulary."""
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
-    prefix = draft.config.pure_draft_prefix_len
+    prefix = draft.config.first_corrected_slot
 
     def sampled(logits_processor=None):
         generator = torch.Generator().manual_seed(0)
@@ -139,7 +141,7 @@ def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_dra
                            logits_processor=logits_processor)
 
     whole_vocabulary = sampled()
-    draft.config.head_candidate_pool = 3
+    draft.drafting_options = DraftingOptions(candidate_pool=3)
     pool_tokens = torch.isfinite(draft_from_scratch(draft, target, input_ids).logits[:, prefix:]).any(1)  # [M, V]
     assert torch.equal(sampled().tokens, whole_vocabulary.tokens)
     banned = sampled(lambda ids, scores: scores.masked_fill(pool_tokens, float("-inf")))
@@ -153,16 +155,16 @@ def test_slot_loop_refuses_a_pooled_block_for_a_chooser(target_and_draft):
     embed_tokens = target.get_input_embeddings()
     draft_hidden = torch.randn(2, draft.config.num_draft_tokens, draft.config.hidden_size)
     base_logits = target.get_output_embeddings()(draft_hidden)
-    weights = draft._head_weights(embed_tokens, base_logits.dtype, pool_size=4)
-    block = head_block_inputs(base_logits, draft_hidden, embed_tokens(torch.tensor([5, 7])), weights, pool_size=4)
+    weights = draft.head.weights(embed_tokens, None, base_logits.dtype, DraftingOptions(candidate_pool=4))
+    block = block_inputs(base_logits, draft_hidden, embed_tokens(torch.tensor([5, 7])), weights, pool_size=4)
     with pytest.raises(ValueError, match="A candidate pool is for greedy drafting"):
-        head_slot_loop(base_logits, block, weights, 0, slot_chooser(None, None, do_sample=False))
+        slot_loop(base_logits, block, weights, 0, slot_chooser(None, None, do_sample=False))
 
 
 @pytest.mark.parametrize("pool", [0, 4])
 def test_greedy_decoding_with_fast_head_is_lossless(target_and_draft, pool):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool = pool
+    draft.drafting_options = DraftingOptions(candidate_pool=pool)
     for seed in range(6):
         input_ids = torch.randint(0, 100, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
         expected = target.generate(input_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
@@ -173,8 +175,8 @@ def test_greedy_decoding_with_fast_head_is_lossless(target_and_draft, pool):
 def test_candidate_pool_without_pure_prefix(target_and_draft):
     """A pool from slot 0 on: greedy picks are the argmax of the spread, vocabulary-wide logits."""
     target, draft = target_and_draft
-    draft.config.pure_draft_prefix_len = 0
-    draft.config.head_candidate_pool = 3
+    draft.head.first_corrected_slot = 0
+    draft.drafting_options = DraftingOptions(candidate_pool=3)
     pooled = draft_from_scratch(draft, target, torch.randint(0, 100, (2, 12)))
     assert pooled.logits.shape[-1] == draft.config.vocab_size
     assert (torch.isfinite(pooled.logits).sum(-1) == 3).all()
@@ -199,12 +201,13 @@ def test_greedy_head_and_backbone_trace_as_whole_graphs(target_and_draft, pool):
         hidden = backbone(*arguments)
         torch.testing.assert_close(hidden, draft.backbone(*arguments))
         base_logits = target.get_output_embeddings()(hidden)
-        weights = draft._head_weights(embed_tokens, base_logits.dtype, pool)
+        weights = draft.head.weights(embed_tokens, None, base_logits.dtype, DraftingOptions(candidate_pool=pool))
         head = torch.compile(greedy_head, backend="eager", fullgraph=True)
         expected = greedy_head(base_logits, hidden, arguments[0][:, 0], weights, 1, pool)
-        tokens, logits = head(base_logits, hidden, arguments[0][:, 0], weights, 1, pool)
+        tokens, logits, confidence = head(base_logits, hidden, arguments[0][:, 0], weights, 1, pool)
     assert torch.equal(tokens, expected[0])
     torch.testing.assert_close(logits, expected[1])
+    torch.testing.assert_close(confidence, expected[2])
     torch._dynamo.reset()
 
 
@@ -224,7 +227,7 @@ def test_compile_drafting_is_a_switch_not_state(target_and_draft):
 @pytest.mark.parametrize("pool", [0, 4])
 def test_compiled_drafting_gives_eager_tokens(target_and_draft, pool):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool = pool
+    draft.drafting_options = DraftingOptions(candidate_pool=pool)
     contexts = [torch.randint(0, 100, (2, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 20)]
     eager = [draft_from_scratch(draft, target, input_ids) for input_ids in contexts]
     draft.compile_drafting()

@@ -1,4 +1,4 @@
-"""The fused head step (`config.fused_head_step`, one Triton kernel per slot) drafts what the unfused pooled loop
+"""The fused head step (`DraftingOptions.fused_step`, one Triton kernel per slot) drafts what the unfused pooled loop
 drafts. Without CUDA the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 from speculative_helpers import draft_from_scratch
 from test_head_loop import _target_and_draft
 
-from domino_spec import DominoConfig, head_step_triton
+from domino_spec import DraftingOptions, head_step_triton
 from domino_spec.generation import speculative_generate
 
 pytest.importorskip("triton", reason="the fused head step is a Triton kernel")
@@ -23,10 +23,10 @@ def target_and_draft():
     return _target_and_draft(DEVICE)
 
 
-def _fused_and_unfused(draft, target, input_ids):
-    draft.config.fused_head_step = False
+def _fused_and_unfused(draft, target, input_ids, pool, **options):
+    draft.drafting_options = DraftingOptions(candidate_pool=pool, **options)
     unfused = draft_from_scratch(draft, target, input_ids)
-    draft.config.fused_head_step = True
+    draft.drafting_options = DraftingOptions(candidate_pool=pool, fused_step=True, **options)
     return draft_from_scratch(draft, target, input_ids), unfused
 
 
@@ -34,8 +34,8 @@ def _fused_and_unfused(draft, target, input_ids):
 @pytest.mark.parametrize("first_corrected", [0, 1, 6])
 def test_fused_step_drafts_the_unfused_tokens_and_logits(target_and_draft, pool, first_corrected):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool, draft.config.pure_draft_prefix_len = pool, first_corrected
-    fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (3, 14), device=DEVICE))
+    draft.head.first_corrected_slot = first_corrected
+    fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (3, 14), device=DEVICE), pool)
     assert torch.equal(fused.tokens, unfused.tokens)
     torch.testing.assert_close(fused.logits, unfused.logits)
 
@@ -45,25 +45,24 @@ def test_fused_step_drafts_the_unfused_tokens_and_logits(target_and_draft, pool,
 def test_every_launch_config_drafts_the_unfused_tokens_and_logits(launch, monkeypatch):
     """Each config the autotuner may pick, at a GRU state and rank that span several chunks with a remainder."""
     monkeypatch.setattr(head_step_triton, "LAUNCH_CONFIGS", (launch,))  # the interpreter runs the first
-    target, draft = _target_and_draft(DEVICE, gru_hidden_dim=260, emb_dim=70)
-    draft.config.head_candidate_pool, draft.config.pure_draft_prefix_len = 5, 1
-    fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (1, 10), device=DEVICE))
+    target, draft = _target_and_draft(DEVICE, gru_hidden_dim=260, residual_rank=70, first_corrected_slot=1)
+    fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (1, 10), device=DEVICE), 5)
     assert torch.equal(fused.tokens, unfused.tokens)
     torch.testing.assert_close(fused.logits, unfused.logits)
 
 
 def test_fused_step_without_the_gate_table_projects_each_pool_token(target_and_draft):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool, draft.config.gru_input_table_max_bytes = 8, 0
-    fused, unfused = _fused_and_unfused(draft, target, torch.randint(0, 128, (2, 11), device=DEVICE))
-    assert "gru_input_table" not in draft.__dict__.get("_derived_tensors", {})
+    input_ids = torch.randint(0, 128, (2, 11), device=DEVICE)
+    fused, unfused = _fused_and_unfused(draft, target, input_ids, 8, gate_table_max_bytes=0)
+    assert "gate_table" not in draft.head.derived
     assert torch.equal(fused.tokens, unfused.tokens)
     torch.testing.assert_close(fused.logits, unfused.logits)
 
 
 def test_fused_step_is_lossless_in_greedy_decoding(target_and_draft):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool, draft.config.fused_head_step = 4, True
+    draft.drafting_options = DraftingOptions(candidate_pool=4, fused_step=True)
     for seed in range(3):
         input_ids = torch.randint(0, 100, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
         input_ids = input_ids.to(DEVICE)
@@ -72,28 +71,19 @@ def test_fused_step_is_lossless_in_greedy_decoding(target_and_draft):
         assert torch.equal(output.sequences, expected)
 
 
-def test_fused_step_needs_a_candidate_pool(target_and_draft):
-    target, draft = target_and_draft
-    with pytest.raises(ValueError, match="fused_head_step"):
-        DominoConfig(head_candidate_pool=0, fused_head_step=True)
-    draft.config.fused_head_step = True  # set after construction: checked when drafting
-    with pytest.raises(ValueError, match="fused_head_step=True is invalid: .* head_candidate_pool > 0"):
-        draft_from_scratch(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
 def test_fused_step_on_cpu_without_the_interpreter_names_the_fix(target_and_draft, monkeypatch):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool, draft.config.fused_head_step = 4, True
+    draft.drafting_options = DraftingOptions(candidate_pool=4, fused_step=True)
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(RuntimeError, match="fused_head_step = False"):
+    with pytest.raises(RuntimeError, match="draft with fused_step=False there"):
         draft_from_scratch(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile runs user Triton kernels on GPUs only")
 def test_compiled_fused_step_drafts_the_eager_fused_tokens(target_and_draft):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool, draft.config.fused_head_step = 8, True
+    draft.drafting_options = DraftingOptions(candidate_pool=8, fused_step=True)
     contexts = [torch.randint(0, 128, (2, n), device=DEVICE) for n in (9, 14)]
     eager = [draft_from_scratch(draft, target, input_ids) for input_ids in contexts]
     draft.compile_drafting()
@@ -110,7 +100,7 @@ def test_compiled_fused_step_drafts_the_eager_fused_tokens(target_and_draft):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner times launches on GPUs only")
 def test_autotuner_picks_one_of_the_launch_configs_per_shape(target_and_draft):
     target, draft = target_and_draft
-    draft.config.head_candidate_pool, draft.config.fused_head_step, draft.config.pure_draft_prefix_len = 6, True, 1
+    draft.drafting_options = DraftingOptions(candidate_pool=6, fused_step=True)
     draft_from_scratch(draft, target, torch.randint(0, 128, (1, 9), device=DEVICE))
     tuned = head_step_triton.tuned_launch_configs().items()
     picks = {key: config for key, config in tuned if key.startswith("32, 16, 6, ")}  # G, R, pool of this draft
@@ -130,6 +120,7 @@ import triton
 from conftest import tiny_draft, tiny_target
 from torch._dynamo.backends.common import aot_autograd
 from triton.backends.compiler import GPUTarget
+from domino_spec import DraftingOptions
 from domino_spec.head_domino import greedy_head
 
 
@@ -154,7 +145,7 @@ def capture(graph, example_inputs):
 
 target = tiny_target("qwen3")
 draft = tiny_draft(target, block_size=6)
-weights = draft._head_weights(target.get_input_embeddings(), torch.float32, 5)
+weights = draft.head.weights(target.get_input_embeddings(), None, torch.float32, DraftingOptions(candidate_pool=5))
 size, vocab = draft.config.hidden_size, draft.config.vocab_size
 inputs = (torch.randn(2, 6, vocab), torch.randn(2, 6, size), torch.randn(2, size), weights, 1, 5, True)
 head = torch.compile(greedy_head, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=False)

@@ -31,15 +31,15 @@ from domino_spec.configuration_domino import default_target_layer_ids
 
 SEQUENCE_LENGTH = 24
 ANCHOR = 15  # a block anchor with context on both sides, and room for the whole block before the end
-HEAD_PREFIXES = ("prefix_gru.", "embed_proj.")
-PUBLISHED_KEYS = (
+HEAD_PREFIXES = ("head.",)
+DRAFT_KEYS = (
     "fc.weight",
     "hidden_norm.weight",
     "layers.0.self_attn.q_proj.weight",
     "norm.weight",
-    "prefix_gru.weight_ih_l0",
-    "embed_proj.0.weight",
-    "embed_proj.2.weight",
+    "head.prefix_gru.weight_ih_l0",
+    "head.embed_proj.0.weight",
+    "head.embed_proj.2.weight",
 )
 
 
@@ -137,13 +137,14 @@ def test_draft_block_equals_teacher_forced_forward(family, dtype):
     input_ids[:, ANCHOR + 1 : ANCHOR + 1 + num_drafts] = draft.tokens
     output = setup.forward([ANCHOR], input_ids=input_ids)
     torch.testing.assert_close(output.logits[:, 0].float(), draft.logits, **tolerances(dtype))
-    # pure_draft_prefix_len = 1: the first draft is the backbone's alone, later ones carry the head's residual.
+    # first_corrected_slot = 1: the first draft is the backbone's alone, later ones carry the head's residual.
     torch.testing.assert_close(output.base_logits[:, 0, 0].float(), draft.logits[:, 0], **tolerances(dtype))
     assert changed(output.base_logits[:, 0, 1:], output.logits[:, 0, 1:], dtype)
 
 
 def test_head_forward_equals_step(family, dtype):
-    """Teacher-forced `forward` (GRU over a whole block) equals `_head_loop` (one GRU step per slot) fed the truth."""
+    """Teacher-forced `forward` (the head over a whole block) equals the slot loop (one GRU step per slot) fed the
+    truth."""
     setup = make_setup(family, dtype)
     anchors = [3, 9, ANCHOR]
     output = setup.forward(anchors)
@@ -157,14 +158,14 @@ def test_head_forward_equals_step(family, dtype):
         with torch.no_grad():
             hidden = setup.draft.backbone(block_embeds, position_ids, list(zip(cache.keys, cache.values)))
             draft_hidden = setup.draft._draft_slots(hidden)  # [1, S, D]
-            base_logits = setup.lm_head(draft_hidden)  # [1, S, V]
+            base_logits = setup.draft.base_logits(draft_hidden, setup.lm_head)  # [1, S, V]
             truth = setup.input_ids[:, anchor + 1 :]
 
             def choose_truth(slot, slot_logits):
                 return truth[:, slot], slot_logits
 
-            tokens, logits = setup.draft._head_loop(
-                base_logits, draft_hidden, block_embeds[:, 0], setup.embed_tokens, choose_truth
+            tokens, logits, _ = setup.draft.head.draft(
+                base_logits, draft_hidden, block_embeds[:, 0], setup.embed_tokens, None, choose=choose_truth
             )
         torch.testing.assert_close(base_logits, output.base_logits[:, index], **tolerances(dtype))
         torch.testing.assert_close(logits, output.logits[:, index], **tolerances(dtype))
@@ -246,7 +247,7 @@ def head_parameter_count(draft: DominoDraftModel) -> int:
 def test_head_parameter_count_matches_its_formula(family):
     setup = make_setup(family)
     config = setup.draft.config
-    hidden, state, rank, vocab = config.hidden_size, config.gru_hidden_dim, config.emb_dim, config.vocab_size
+    hidden, state, rank, vocab = config.hidden_size, config.gru_hidden_dim, config.residual_rank, config.vocab_size
     gru = 3 * state * (hidden + state)  # input and recurrent weights of 3 gates, no bias
     low_rank = (hidden + state) * rank + rank * vocab
     assert head_parameter_count(setup.draft) == gru + low_rank
@@ -257,7 +258,7 @@ def test_head_parameter_count_matches_its_formula(family):
 def test_without_head_final_logits_are_base_logits(family):
     setup = make_setup(family, use_domino_head=False)
     assert head_parameter_count(setup.draft) == 0
-    assert not hasattr(setup.draft, "prefix_gru") and not hasattr(setup.draft, "embed_proj")
+    assert setup.draft.head is None
     output = setup.forward([4, ANCHOR])
     assert torch.equal(output.logits, output.base_logits)
     draft = setup.draft_block(setup.cache([(0, ANCHOR)]))
@@ -326,7 +327,7 @@ def test_save_pretrained_loads_in_a_fresh_process(tmp_path):
     assert torch.equal(loaded["base_logits"], reference.base_logits)
 
 
-def test_checkpoint_holds_the_draft_only_under_published_names(tmp_path):
+def test_checkpoint_holds_the_draft_only(tmp_path):
     setup = make_setup("qwen3")
     setup.draft.save_pretrained(tmp_path)
     files = {path.name for path in tmp_path.iterdir()}
@@ -335,7 +336,7 @@ def test_checkpoint_holds_the_draft_only_under_published_names(tmp_path):
 
     with safe_open(tmp_path / "model.safetensors", framework="pt") as weights:
         shapes = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
-    assert set(PUBLISHED_KEYS) <= set(shapes)
+    assert set(DRAFT_KEYS) <= set(shapes)
     assert not [key for key in shapes if "embed_tokens" in key or "lm_head" in key]
     assert set(shapes) == {name for name, _ in setup.draft.named_parameters()}
     assert sum(torch.Size(shape).numel() for shape in shapes.values()) == setup.draft.num_parameters()
@@ -576,7 +577,8 @@ SMALL_CONFIG = dict(
         (dict(target_layer_ids=[True, 3]), r"DominoConfig.target_layer_ids=\[True, 3\] is invalid"),
         (dict(hidden_size=True), r"DominoConfig.hidden_size=True is invalid: expected a positive integer"),
         (dict(use_domino_head="false"), r"DominoConfig.use_domino_head='false' is invalid: expected a boolean"),
-        (dict(head_candidate_pool=101), r"DominoConfig.head_candidate_pool=101 is invalid: .* \[1, 100\]"),
+        (dict(draft_vocab_size=101), r"DominoConfig.draft_vocab_size=101 is invalid: .* \[1, 100\]"),
+        (dict(first_corrected_slot=20), r"DominoConfig.first_corrected_slot=20 is invalid: .* \[0, 16\]"),
         (dict(num_target_layers=2, num_hidden_layers=2), r"2 layers is too shallow .* 2-layer draft.*pass target_layer"),
         (dict(mask_token_id=100), r"DominoConfig.mask_token_id=100 is invalid: expected a token id in \[0, 99\]"),
         (dict(num_key_value_heads=3), r"DominoConfig.num_key_value_heads=3 is invalid: expected a divisor of"),

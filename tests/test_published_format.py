@@ -78,15 +78,15 @@ def direct_draft(seed: int = 7, **overrides) -> DominoDraftModel:
     """The draft a published config describes, built directly with our constructor."""
     torch.manual_seed(seed)
     fields = dict(TINY_LAYER_FIELDS, num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=127, block_size=4)
-    fields.update(gru_hidden_dim=32, emb_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    fields.update(gru_hidden_dim=32, residual_rank=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     fields.update(overrides)
     return DominoDraftModel(DominoConfig(**fields)).eval()
 
 
-PUBLISHED_KEY_LAYOUTS = {
-    "current": lambda key: key,
-    "logit_head": lambda key: "logit_head." + key if key.startswith(("prefix_gru.", "embed_proj.")) else key,
-    "model_prefix": lambda key: "model." + key,
+PUBLISHED_KEY_LAYOUTS = {  # our key -> the layout's
+    "current": lambda key: key.removeprefix("head."),
+    "logit_head": lambda key: "logit_head." + key.removeprefix("head.") if key.startswith("head.") else key,
+    "model_prefix": lambda key: "model." + key.removeprefix("head."),
 }
 
 
@@ -130,8 +130,8 @@ def test_published_domino_folder_loads_with_its_weights(tmp_path, target, layout
     reference = direct_draft()
     folder = write_published_folder(tmp_path / "published", published_domino_config(), reference.state_dict(), layout)
     draft = DominoDraftModel.from_pretrained(folder)
-    assert draft.config.use_domino_head and draft.config.shift_label and draft.config.pure_draft_prefix_len == 1
-    assert (draft.config.gru_hidden_dim, draft.config.emb_dim, draft.config.target_layer_ids) == (32, 16, [1, 3])
+    assert draft.config.use_domino_head and draft.config.shift_label and draft.config.first_corrected_slot == 1
+    assert (draft.config.gru_hidden_dim, draft.config.residual_rank, draft.config.target_layer_ids) == (32, 16, [1, 3])
     assert draft.dtype == torch.float32
     torch.testing.assert_close(block_logits(draft, target), block_logits(reference, target), rtol=0, atol=0)
 
@@ -144,7 +144,7 @@ def test_published_dflash_folder_loads_head_off_with_default_layers(tmp_path, ta
     assert not config.use_domino_head and not config.shift_label
     assert config.target_layer_ids == [6 // 2]  # DFlash's rule for a single draft layer
     assert config.num_draft_tokens == 3  # position 0 is the anchor
-    assert not hasattr(draft, "prefix_gru")
+    assert draft.head is None
     torch.testing.assert_close(block_logits(draft, target), block_logits(reference, target), rtol=0, atol=0)
 
 
@@ -178,7 +178,7 @@ def test_published_folder_honours_the_loading_options(tmp_path):
 
 def test_published_weights_that_do_not_match_the_config_are_named(tmp_path):
     state_dict = direct_draft().state_dict()
-    del state_dict["embed_proj.2.weight"]
+    del state_dict["head.embed_proj.2.weight"]
     state_dict["layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
     folder = write_published_folder(tmp_path / "bad", published_domino_config(), state_dict)
     with pytest.raises(ValueError, match=r"embed_proj\.2\.weight.*layers\.0\.mlp\.up_proj\.weight"):
@@ -209,7 +209,8 @@ def test_sglang_export_round_trip_is_bf16_and_published(tmp_path, target):
     assert config["emb_dim"] == 16 and config["block_size"] == 4 and config["num_target_layers"] == 6
     assert config["torch_dtype"] == "bfloat16" and config["rope_theta"] == draft.config.rope_parameters["rope_theta"]
     with safe_open(exported / "model.safetensors", "pt") as file:
-        assert set(file.keys()) == set(draft.state_dict())  # the published names are ours
+        # the published names are ours, the head's at the top level
+        assert set(file.keys()) == {key.removeprefix("head.") for key in draft.state_dict()}
         assert all(file.get_tensor(key).dtype == torch.bfloat16 for key in file.keys())
     assert {"README.md", "modeling_domino.py", "published_format.py"} <= set(os.listdir(exported))
 
@@ -249,7 +250,8 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, target):
     code."""
     draft = tiny_draft(target)
     draft.save_pretrained(tmp_path / "ours")
-    assert {"published_format.py", "head_domino.py", "head_step_triton.py"} <= set(os.listdir(tmp_path / "ours"))
+    assert {"published_format.py", "head_domino.py", "head_step_triton.py", "generation_domino.py", "drafting.py",
+            "cache_domino.py", "transformers_compat.py"} <= set(os.listdir(tmp_path / "ours"))
     export.export_sglang(str(tmp_path / "ours"), str(tmp_path / "sglang"))
     # transformers 5.17 refuses a remote model class for a config whose model_type is a built-in one ("qwen3", as the
     # published format requires); there the export loads with DominoDraftModel.from_pretrained instead.

@@ -73,7 +73,7 @@ def setup(request, tmp_path_factory) -> Setup:
     assert type(loaded_draft).__module__.startswith("transformers_modules"), "expected the remote-code class"
     torch.manual_seed(2)
     oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                     gru_hidden_dim=8, emb_dim=8).eval()
+                                     gru_hidden_dim=8, residual_rank=8).eval()
     cases = _build_cases(target, draft.config.num_draft_tokens, seed=100 + len(family))
     assert sum(case.eos_token_id is not None for case in cases) >= NUM_PROMPTS // 3
     return Setup(family, target, draft, loaded_draft, oracle, cases)
@@ -229,7 +229,7 @@ def test_native_sliding_window_target_one_prompt_at_a_time(family):
     round (plain decoding included), and the tokens stay the target's own."""
     target = _sliding_window_target(family)
     oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                     gru_hidden_dim=8, emb_dim=8).eval()
+                                     gru_hidden_dim=8, residual_rank=8).eval()
     longest_window = []  # stored slots of the sliding layers before each target forward
 
     def record(module, args, kwargs):

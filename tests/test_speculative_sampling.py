@@ -45,6 +45,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from domino_spec import DraftingOptions
 from domino_spec.generation import left_pad, speculative_generate
 
 NUM_TOKENS = 5  # max_new_tokens: the prefill's token, then three drafts and a bonus token if all are accepted
@@ -124,7 +125,8 @@ def strong_head_draft(models):
     greedy drafting only: sampling must draw from, and report, the whole vocabulary.
     """
     target, _, prompt = models
-    draft = tiny_draft(target, pure_draft_prefix_len=0, head_candidate_pool=3)
+    draft = tiny_draft(target, first_corrected_slot=0)
+    draft.drafting_options = DraftingOptions(candidate_pool=3)
     identity = LogitsProcessorList()  # a processor: the whole-vocabulary head loop, as in sampling
 
     def first_slot():
@@ -132,7 +134,7 @@ def strong_head_draft(models):
 
     weak = first_slot().softmax(-1)
     with torch.no_grad():
-        draft.embed_proj[2].weight.mul_(150.0)
+        draft.head.embed_proj[2].weight.mul_(150.0)
     assert 0.5 * float((first_slot().softmax(-1) - weak).abs().sum()) > 0.1  # the head moves q
     return draft
 

@@ -19,7 +19,7 @@ from conftest import tiny_draft, tiny_target, tiny_tokenizer
 from packaging import version
 from transformers import AutoModelForCausalLM
 
-from domino_spec import DominoDraftModel
+from domino_spec import DominoDraftModel, DraftingOptions
 from domino_spec.training.cli import parse_train_arguments
 from domino_spec.training.collator import DominoDataCollator, sample_anchors
 from domino_spec.training.data import check_vocabulary, load_prompts, load_training_dataset, summarize
@@ -181,7 +181,7 @@ def test_flex_attention_refuses_attention_dropout_in_training():
 
 def test_teacher_forcing_reads_ground_truth_and_training_time_test_reads_predictions():
     target = tiny_target("llama")
-    draft = tiny_draft(target, pure_draft_prefix_len=1)
+    draft = tiny_draft(target, first_corrected_slot=1)
     input_ids = torch.randint(0, 100, (1, 20))
     anchors = torch.tensor([[8]])
     features = _features(target, draft, input_ids)
@@ -199,15 +199,15 @@ def test_teacher_forcing_reads_ground_truth_and_training_time_test_reads_predict
 
 
 def test_training_time_test_scores_every_token_whatever_the_inference_pool():
-    """`head_candidate_pool` is an inference-time option: with it, training-time test still gives finite logits over
-    the whole vocabulary, the ones it gives without a pool."""
+    """A candidate pool is a drafting option: with it, training-time test still gives finite logits over the whole
+    vocabulary, the ones it gives without a pool."""
     target = tiny_target("llama")
-    draft = tiny_draft(target, pure_draft_prefix_len=1)
+    draft = tiny_draft(target, first_corrected_slot=1)
     input_ids = torch.randint(0, 100, (1, 20))
     anchors = torch.tensor([[3, 9]])
     features = _features(target, draft, input_ids)
     whole = _train_forward(draft, target, input_ids, features, anchors, head_reads_predictions=True)
-    draft.config.head_candidate_pool = 4
+    draft.drafting_options = DraftingOptions(candidate_pool=4)
     pooled = _train_forward(draft, target, input_ids, features, anchors, head_reads_predictions=True)
     assert torch.isfinite(pooled.logits).all()
     torch.testing.assert_close(pooled.logits, whole.logits)

@@ -123,7 +123,9 @@ class DraftArguments:
         },
     )
     gru_hidden_dim: int | None = field(default=None, metadata={"help": "GRU width (default hidden_size / 4)."})
-    emb_dim: int | None = field(default=None, metadata={"help": "Rank of the logit residual (default hidden_size / 16)."})
+    residual_rank: int | None = field(
+        default=None, metadata={"help": "Rank of the logit residual (default hidden_size / 16)."}
+    )
     target_layer_ids: str | None = field(
         default=None, metadata={"help": "Comma-separated target layers to tap (default evenly spaced)."}
     )
@@ -142,9 +144,6 @@ class DraftArguments:
     )
 
 
-# Config fields a resumed checkpoint may differ on from the draft the flags build: bookkeeping and inference options.
-NOT_TRAINED_FIELDS = {"_name_or_path", "architectures", "auto_map", "dtype", "transformers_version", "target_model_name",
-                      "head_candidate_pool", "fused_head_step", "gru_input_table_max_bytes"}  # fmt: skip
 
 
 def draft_shape(draft_args: DraftArguments) -> dict:
@@ -156,7 +155,7 @@ def draft_shape(draft_args: DraftArguments) -> dict:
         "use_domino_head": draft_args.use_domino_head,
         "shift_label": draft_args.shift_label,
         "gru_hidden_dim": draft_args.gru_hidden_dim,
-        "emb_dim": draft_args.emb_dim,
+        "residual_rank": draft_args.residual_rank,
         "target_layer_ids": [int(i) for i in layer_ids.split(",")] if layer_ids else None,
         "mask_token_id": draft_args.mask_token_id,
     }
@@ -329,10 +328,11 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
 def check_resumable(checkpoint: str, draft: DominoDraftModel) -> None:
     """Raise `ValueError` if the draft the flags built for this `--target` is not the checkpoint's: its weights would
     not load, or would train on as another draft."""
-    saved, built = DominoConfig.from_pretrained(checkpoint).to_dict(), draft.config.to_dict()
-    conflicts = [f"{name}={built.get(name)!r} (the checkpoint has {saved.get(name)!r})"
-                 for name in sorted((set(saved) | set(built)) - NOT_TRAINED_FIELDS)
-                 if saved.get(name) != built.get(name)]  # fmt: skip
+    saved, built = DominoConfig.from_pretrained(checkpoint), draft.config
+    # The draft's own fields, but the target's name: a checkpoint trains on whatever the target folder is called.
+    fields = sorted(set(DominoConfig.__annotations__) - {"target_model_name"})
+    conflicts = [f"{name}={getattr(built, name)!r} (the checkpoint has {getattr(saved, name)!r})"
+                 for name in fields if getattr(saved, name) != getattr(built, name)]  # fmt: skip
     if conflicts:
         raise ValueError(
             f"resuming from {checkpoint}, but the draft these flags build for this --target differs: "

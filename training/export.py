@@ -30,8 +30,10 @@ def sglang_problems(config) -> list[str]:
     problems = []
     if config.hidden_act != "silu":
         problems.append(f"hidden_act={config.hidden_act!r} (SGLang's DFlash MLP supports silu only)")
-    if config.use_domino_head and config.pure_draft_prefix_len != 1:
-        problems.append(f"pure_draft_prefix_len={config.pure_draft_prefix_len} (SGLang's Domino requires 1)")
+    if config.use_domino_head and config.first_corrected_slot != 1:
+        problems.append(
+            f"first_corrected_slot={config.first_corrected_slot} (SGLang's Domino requires pure_draft_prefix_len 1)"
+        )
     if not config.use_domino_head and config.shift_label:
         problems.append(
             "no Domino head but shift_label=True: the DFlash layout has no shift_label field and SGLang reads block "

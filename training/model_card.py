@@ -149,7 +149,7 @@ def overview_section(config: DominoConfig, target: str) -> str:
         ("mask token id", config.mask_token_id),
     ]
     if config.use_domino_head:
-        rows.append(("head", f"GRU {config.gru_hidden_dim}, logit residual rank {config.emb_dim}"))
+        rows.append(("head", f"GRU {config.gru_hidden_dim}, logit residual rank {config.residual_rank}"))
     intro = (
         f"A speculative-decoding draft for `{target}`. The draft proposes a block of tokens in one parallel pass, "
         "conditioned on the target's hidden states; the target verifies the block in one forward pass and keeps the "

@@ -1,0 +1,180 @@
+"""Cheap multi-token forward passes on CPU: `optimize_for_cpu`.
+
+Speculative decoding wins when a forward pass over a few tokens (a verify pass, a draft block) costs about one
+decode step, as it does on a GPU, where a small model is memory-bound. Eager `nn.Linear` on CPU sends every row
+count to one BLAS call whose kernels are tuned for one row and for many: 2-32 rows can cost several one-row calls
+although the weights are read once. Other layouts of the same weight do much better at those sizes: the weight
+transposed (`x @ W^T` as a plain row-major product) and oneDNN's blocked layout. Which wins depends on the CPU, the
+shape and the row count, so `optimize_for_cpu` times the three on the model's own weights, once per weight shape
+and row count, and makes every `nn.Linear` of the models call the fastest. Outputs equal eager ones up to float
+rounding (the same products, summed in another order).
+
+Memory: each weight keeps its original tensor (state dicts and `save_pretrained` are unchanged) plus the layouts
+that won some row count: at most two extra copies of the linear weights, usually one.
+"""
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Row counts timed per weight shape; a count between two uses the plan of the next one up, and a count above the
+# last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows.
+TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32)
+TIMING_REPEATS = 3  # the fastest of these runs counts, the others absorb the noise of a shared machine
+
+
+def _linear(x: torch.Tensor, layouts: dict) -> torch.Tensor:
+    return F.linear(x, layouts["weight"], layouts["bias"])
+
+
+def _transposed(x: torch.Tensor, layouts: dict) -> torch.Tensor:
+    output = torch.matmul(x, layouts["transposed"])
+    return output if layouts["bias"] is None else output + layouts["bias"]
+
+
+def _onednn(x: torch.Tensor, layouts: dict) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layouts["onednn"], layouts["bias"], "none", [], "")
+
+
+# name -> (kernel, what it needs built from the weight)
+KERNELS: dict[str, tuple[Callable, Callable[[torch.Tensor], torch.Tensor] | None]] = {
+    "linear": (_linear, None),
+    "transposed": (_transposed, lambda weight: weight.t().contiguous()),
+    "onednn": (_onednn, lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, TUNED_ROW_COUNTS[-1])),
+}
+
+
+class PlannedLinear:
+    """An `nn.Linear`'s forward that runs each row count with the kernel its plan picked."""
+
+    def __init__(self, module: nn.Linear, plan: dict[int, str]):
+        self.plan = plan  # row count (from TUNED_ROW_COUNTS) -> kernel name
+        self.layouts = {"weight": module.weight, "bias": module.bias}
+        for name in set(plan.values()):
+            build = KERNELS[name][1]
+            if build is not None:
+                self.layouts[name] = build(module.weight.detach())
+        # row count -> kernel, for every count up to the last tuned one
+        self.by_rows = [KERNELS[self._kernel_name(rows)][0] for rows in range(TUNED_ROW_COUNTS[-1] + 1)]
+
+    def _kernel_name(self, rows: int) -> str:
+        return self.plan[next(count for count in TUNED_ROW_COUNTS if count >= max(rows, 1))]
+
+    def extra_bytes(self) -> int:
+        """Memory the extra layouts take (oneDNN's blocked layout reports its logical size)."""
+        extra = (t for name, t in self.layouts.items() if name not in ("weight", "bias"))
+        return sum(t.numel() * t.element_size() for t in extra)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows >= len(self.by_rows) or torch.is_grad_enabled():
+            return F.linear(x, self.layouts["weight"], self.layouts["bias"])
+        return self.by_rows[rows](x, self.layouts)
+
+
+class CPUOptimization:
+    """What `optimize_for_cpu` changed: every planned `nn.Linear`. `restore()` (or leaving the `with` block) puts the
+    eager forwards back; `plans` maps each weight shape `(out, in, dtype)` to its kernel per tuned row count."""
+
+    def __init__(self, modules: list[nn.Linear], plans: dict[tuple, dict[int, str]]):
+        self.modules, self.plans = modules, plans
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(module.forward.extra_bytes() for module in self.modules if isinstance(module.forward, PlannedLinear))
+
+    def restore(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("forward", None)  # the class's nn.Linear.forward again
+        self.modules = []
+
+    def __enter__(self) -> "CPUOptimization":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.restore()
+
+
+def _plain_linears(models: Iterable[nn.Module]) -> list[nn.Linear]:
+    """Every `nn.Linear` of the models, once (a tied or shared module counts once)."""
+    found: dict[int, nn.Linear] = {}
+    for model in models:
+        for module in model.modules():
+            if type(module) is nn.Linear and "forward" not in module.__dict__:
+                found.setdefault(id(module), module)
+    return list(found.values())
+
+
+def _time_kernel(kernel: Callable, layouts: list[dict], x: torch.Tensor) -> float:
+    """Seconds to run `x` through every weight of a shape, as a forward pass does (each weight read from memory,
+    not cache): the fastest of `TIMING_REPEATS` runs."""
+    best = float("inf")
+    for _ in range(TIMING_REPEATS + 1):  # one untimed run: first-call allocations
+        start = time.perf_counter()
+        for weight_layouts in layouts:
+            kernel(x, weight_layouts)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
+def plan_shape(modules: list[nn.Linear]) -> dict[int, str]:
+    """The fastest kernel per tuned row count for linears of one weight shape, timed on their own weights."""
+    weight = modules[0].weight
+    layouts = [{"weight": m.weight, "bias": m.bias} for m in modules]
+    usable = {}
+    for name, (kernel, build) in KERNELS.items():
+        try:
+            built = [build(m.weight.detach()) if build else None for m in modules]
+            trial = [{**lay, name: b} for lay, b in zip(layouts, built)]
+            kernel(weight.new_zeros(2, weight.shape[1]), trial[0])
+        except RuntimeError:  # a layout this build of torch or this dtype lacks
+            continue
+        usable[name] = (kernel, trial)
+    plan = {}
+    for rows in TUNED_ROW_COUNTS:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        times = {name: _time_kernel(kernel, trial, x) for name, (kernel, trial) in usable.items()}
+        plan[rows] = min(times, key=times.get)
+    return plan
+
+
+def optimize_for_cpu(target: nn.Module, draft: nn.Module | None = None, verbose: bool = False) -> CPUOptimization:
+    """Make every `nn.Linear` of `target` (and `draft`) run each row count up to 32 with the fastest of three
+    layouts of its weight, timed here once per weight shape; in place, undone by `restore()`.
+
+    Multi-token passes (verify passes, draft blocks, batches) get much cheaper on most CPUs, the one-token decode step
+    stays as fast, and plain decoding of the prepared target speeds up too, so compare speculative and plain decoding
+    of the same prepared target. Inference only: with gradients enabled the eager forward runs, and a weight changed
+    after this call is not seen by the extra layouts (`restore()` first). Costs a few seconds of timing and an extra
+    copy of the linear weights in the winning layouts (`extra_bytes`).
+
+        with optimize_for_cpu(target, draft):
+            out = speculative_generate(target, draft, input_ids)
+    """
+    models = [model for model in (target, draft) if model is not None]
+    for model in models:
+        devices = {p.device.type for p in model.parameters()}
+        if devices != {"cpu"}:
+            raise ValueError(
+                f"optimize_for_cpu prepares models on the CPU, but {type(model).__name__} has parameters on "
+                f"{', '.join(sorted(devices))}: on an accelerator leave the model as it is (or compile it)."
+            )
+    by_shape: dict[tuple, list[nn.Linear]] = defaultdict(list)
+    for module in _plain_linears(models):
+        by_shape[(*module.weight.shape, module.weight.dtype, module.bias is not None)].append(module)
+    plans = {}
+    for shape, modules in by_shape.items():
+        plans[shape] = plan_shape(modules)
+        for module in modules:
+            module.forward = PlannedLinear(module, plans[shape])
+        if verbose:
+            print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
+    return CPUOptimization([m for ms in by_shape.values() for m in ms], plans)
+
+
+__all__ = ["CPUOptimization", "optimize_for_cpu"]
