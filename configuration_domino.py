@@ -5,6 +5,7 @@ torch and transformers.
 """
 
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import RopeParameters
 
 # DFlash taps target layers evenly between these two: the first layer after the embeddings, and
@@ -25,6 +26,11 @@ def default_target_layer_ids(num_target_layers: int, num_tapped_layers: int) -> 
 def _is_integer(value) -> bool:
     """An int, not a bool: `True` is an int in Python, and `[True, 3]` as layer ids is a mistake, not layer 1."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_number(value) -> bool:
+    """An int or float above 0, not a bool and not a string such as "1e-6" (JSON for a number is unquoted)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _check(condition: bool, field: str, value, expected: str) -> None:
@@ -103,6 +109,7 @@ class DominoConfig(PretrainedConfig):
                     f"A target of {self.num_target_layers} layers is too shallow for the default target_layer_ids of "
                     f"a {self.num_hidden_layers}-layer draft ({self.target_layer_ids}): pass target_layer_ids."
                 )
+        self._check_rope_parameters()  # before transformers fills in its defaults, which fails unclearly on a non-dict
         super().__post_init__(**kwargs)
         self.check()
 
@@ -173,7 +180,31 @@ class DominoConfig(PretrainedConfig):
         _check(
             0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
         )
+        _check(
+            _is_positive_number(self.rms_norm_eps), "rms_norm_eps", self.rms_norm_eps, "a positive float such as 1e-06"
+        )
+        _check(
+            isinstance(self.hidden_act, str) and self.hidden_act in ACT2FN,
+            "hidden_act",
+            self.hidden_act,
+            f"an activation of transformers' ACT2FN: {', '.join(sorted(ACT2FN))}",
+        )
+        self._check_rope_parameters()
         self.check_inference_options()
+
+    def _check_rope_parameters(self) -> None:
+        """None (transformers fills in the defaults) or a dict whose `rope_theta`, if given, is a positive number."""
+        rope_parameters = self.rope_parameters
+        _check(
+            rope_parameters is None
+            or (
+                isinstance(rope_parameters, dict)
+                and _is_positive_number(rope_parameters.get("rope_theta", self.default_theta))
+            ),
+            "rope_parameters",
+            rope_parameters,
+            'null or a dict with a positive rope_theta, such as {"rope_type": "default", "rope_theta": 1000000.0}',
+        )
 
     def check_inference_options(self) -> None:
         """Raise `ValueError` naming the first invalid inference-time option of the head loop. They are meant to be

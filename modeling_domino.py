@@ -291,6 +291,23 @@ def _croppable_cache(cache_implementation: str | None) -> bool:
     return cache_implementation == "static" and getattr(StaticLayer, "is_croppable", False)
 
 
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise `ValueError` unless `input_ids` is a `[B, T]` batch of at least one row of at least one token, every id in
+    `[0, vocab_size)`: an empty batch would fail in a reshape, an id out of range in the embedding lookup (an
+    IndexError on CPU, a device-side assert on CUDA)."""
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise ValueError(
+            f"input_ids must be a [batch_size, length] tensor of at least one row of at least one token, got shape "
+            f"{tuple(input_ids.shape)}."
+        )
+    lowest, highest = (int(value) for value in torch.aminmax(input_ids))
+    if lowest < 0 or highest >= vocab_size:
+        raise ValueError(
+            f"input_ids holds token id {lowest if lowest < 0 else highest}, outside the target's vocabulary of "
+            f"{vocab_size} tokens (ids 0 to {vocab_size - 1}): tokenize with the target's tokenizer."
+        )
+
+
 def _model_name(name_or_path: str) -> str:
     """A model's name without its folder or Hub organisation: a local copy and the Hub id compare equal."""
     return os.path.basename(name_or_path.rstrip("/")).lower()
@@ -751,6 +768,7 @@ class DominoDraftModel(PreTrainedModel):
         Returns `DominoOutput` with logits of shape `(batch_size, num_blocks, num_draft_tokens, vocab_size)`; slot s
         of block n predicts `input_ids[:, anchor_positions[:, n] + s + 1]`.
         """
+        check_input_ids(input_ids, self.config.vocab_size)
         batch_size, length = input_ids.shape
         self._check_anchor_positions(anchor_positions, length)
         num_blocks = anchor_positions.shape[1]
@@ -903,6 +921,7 @@ class DominoDraftModel(PreTrainedModel):
                 f"{input_ids.shape[0]}): transformers' assisted decoding is batch-1 only. For batches use "
                 "`domino_spec.generation.speculative_generate(target, draft, input_ids, attention_mask=...)`."
             )
+        check_input_ids(input_ids, self.config.vocab_size)
         for name in ("cache", "past_key_values"):  # the name changed in transformers 5.2x
             cache = (model_kwargs or {}).get(name)
             if cache is not None and cache.get_seq_length() > 0:
@@ -1161,6 +1180,7 @@ __all__ = [
     "DominoDraftModel",
     "DominoOutput",
     "block_attention_mask",
+    "check_input_ids",
     "flex_block_attention_mask",
     "install_generate_hook",
 ]
