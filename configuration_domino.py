@@ -5,6 +5,7 @@ torch and transformers.
 """
 
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import RopeParameters
 
 # DFlash taps target layers evenly between these two: the first layer after the embeddings, and
@@ -31,9 +32,31 @@ def _is_integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_positive_number(value) -> bool:
+    """An int or float above 0, not a bool and not a string such as "1e-6" (JSON for a number is unquoted)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _check(condition: bool, field: str, value, expected: str) -> None:
     if not condition:
         raise ValueError(f"DominoConfig.{field}={value!r} is invalid: expected {expected}.")
+
+
+def check_input_ids(input_ids, vocab_size: int) -> None:
+    """Raise `ValueError` unless `input_ids` is a `[B, T]` batch of at least one row of at least one token, every id in
+    `[0, vocab_size)`: an empty batch would fail in a reshape, an id out of range in the embedding lookup (an
+    IndexError on CPU, a device-side assert on CUDA)."""
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise ValueError(
+            f"input_ids must be a [batch_size, length] tensor of at least one row of at least one token, got shape "
+            f"{tuple(input_ids.shape)}."
+        )
+    lowest, highest = (int(value) for value in (input_ids.min(), input_ids.max()))
+    if lowest < 0 or highest >= vocab_size:
+        raise ValueError(
+            f"input_ids holds token id {lowest if lowest < 0 else highest}, outside the target's vocabulary of "
+            f"{vocab_size} tokens (ids 0 to {vocab_size - 1}): tokenize with the target's tokenizer."
+        )
 
 
 class DominoConfig(PretrainedConfig):
@@ -110,6 +133,7 @@ class DominoConfig(PretrainedConfig):
                     f"A target of {self.num_target_layers} layers is too shallow for the default target_layer_ids of "
                     f"a {self.num_hidden_layers}-layer draft ({self.target_layer_ids}): pass target_layer_ids."
                 )
+        self._check_rope_parameters()  # before transformers fills in its defaults, which fails unclearly on a non-dict
         super().__post_init__(**kwargs)
         self.check()
 
@@ -187,9 +211,33 @@ class DominoConfig(PretrainedConfig):
         _check(
             0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
         )
+        _check(
+            _is_positive_number(self.rms_norm_eps), "rms_norm_eps", self.rms_norm_eps, "a positive float such as 1e-06"
+        )
+        _check(
+            isinstance(self.hidden_act, str) and self.hidden_act in ACT2FN,
+            "hidden_act",
+            self.hidden_act,
+            f"an activation of transformers' ACT2FN: {', '.join(sorted(ACT2FN))}",
+        )
+        self._check_rope_parameters()
+
+    def _check_rope_parameters(self) -> None:
+        """None (transformers fills in the defaults) or a dict whose `rope_theta`, if given, is a positive number."""
+        rope_parameters = self.rope_parameters
+        _check(
+            rope_parameters is None
+            or (
+                isinstance(rope_parameters, dict)
+                and _is_positive_number(rope_parameters.get("rope_theta", self.default_theta))
+            ),
+            "rope_parameters",
+            rope_parameters,
+            'null or a dict with a positive rope_theta, such as {"rope_type": "default", "rope_theta": 1000000.0}',
+        )
 
 
 # save_pretrained then writes `auto_map` and copies this file into the checkpoint.
 DominoConfig.register_for_auto_class()
 
-__all__ = ["DominoConfig", "default_target_layer_ids"]
+__all__ = ["DominoConfig", "check_input_ids", "default_target_layer_ids"]

@@ -13,7 +13,6 @@ transformers.
 import functools
 import inspect
 import itertools
-import time
 import warnings
 
 import torch
@@ -23,6 +22,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_domino import DominoContextCache
+from .configuration_domino import check_input_ids
 from .drafting import choose_draft_length, measure_draft_costs
 from .transformers_compat import croppable_cache, passed_cache
 
@@ -45,6 +45,7 @@ def candidate_generator(
             f"{input_ids.shape[0]}): transformers' assisted decoding is batch-1 only. For batches use "
             "`domino_spec.generation.speculative_generate(target, draft, input_ids, attention_mask=...)`."
         )
+    check_input_ids(input_ids, draft.config.vocab_size)
     cache = passed_cache(model_kwargs or {})
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(

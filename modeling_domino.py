@@ -30,7 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import ModelOutput
 
 from .cache_domino import DominoContextCache
-from .configuration_domino import DominoConfig
+from .configuration_domino import DominoConfig, check_input_ids
 from .drafting import DraftingOptions
 from .generation_domino import DominoCandidateGenerator, candidate_generator
 from .head_domino import DerivedTensors, DominoHead, base_drafts, greedy_head, slot_chooser, to_target_vocabulary
@@ -553,6 +553,7 @@ class DominoDraftModel(PreTrainedModel):
         vocabulary (`to_draft_vocab` maps labels to it); slot s of block n predicts
         `input_ids[:, anchor_positions[:, n] + s + 1]`.
         """
+        check_input_ids(input_ids, self.config.vocab_size)
         batch_size, length = input_ids.shape
         self._check_anchor_positions(anchor_positions, length)
         num_blocks = anchor_positions.shape[1]

@@ -19,6 +19,7 @@ from transformers import DynamicCache, DynamicLayer, LogitsProcessorList, PreTra
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
+from ..configuration_domino import check_input_ids
 from ..drafting import DraftCosts, DraftingOptions, choose_draft_length, measure_draft_costs
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
@@ -123,8 +124,7 @@ def _check_inputs(target, draft, input_ids, attention_mask, max_new_tokens, stre
         raise ValueError("speculative_generate supports decoder-only targets only.")
     if draft is not None:
         draft.check_target(target)
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [batch_size, length] tensor, got {tuple(input_ids.shape)}.")
+    check_input_ids(input_ids, target.get_input_embeddings().weight.shape[0])
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: expected an integer >= 1.")
     if streamer is not None and input_ids.shape[0] != 1:
@@ -133,6 +133,10 @@ def _check_inputs(target, draft, input_ids, attention_mask, max_new_tokens, stre
         return torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
+    has_tokens = attention_mask.bool().any(dim=-1)  # [B]; checked first: an empty row fails the padding check too
+    if not bool(has_tokens.all()):
+        row = int((~has_tokens).nonzero()[0])
+        raise ValueError(f"row {row} has no tokens (its attention_mask is all 0): every prompt needs at least one.")
     if not bool(attention_mask[:, -1].all()):
         raise ValueError("speculative_generate needs left padding: the last column of attention_mask must be all 1.")
     return attention_mask.to(input_ids.device)

@@ -6,6 +6,7 @@ G GRU state, R rank of the logit residual.
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -545,6 +546,22 @@ def test_forward_rejects_anchors_outside_the_sequence(anchor):
         setup.forward([4, anchor])
 
 
+def test_forward_rejects_an_empty_batch():
+    setup = make_setup()
+    anchors = torch.zeros(0, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids must be a \[batch_size, length\] tensor .* got shape \(0, 24\)"):
+        setup.draft(setup.input_ids[:0], setup.target_hidden[:0], anchors, setup.embed_tokens, setup.lm_head)
+
+
+@pytest.mark.parametrize("token", [-1, 128])
+def test_forward_rejects_a_token_outside_the_vocabulary(token):
+    setup = make_setup()
+    input_ids = setup.input_ids.clone()
+    input_ids[0, ANCHOR + 1] = token
+    with pytest.raises(ValueError, match=f"input_ids holds token id {token}, outside the target's vocabulary of 128"):
+        setup.forward([ANCHOR], input_ids=input_ids)
+
+
 def test_target_features_of_the_wrong_width_raise():
     setup = make_setup()
     narrow = setup.target_hidden[..., :-1]
@@ -583,9 +600,25 @@ SMALL_CONFIG = dict(
         (dict(mask_token_id=100), r"DominoConfig.mask_token_id=100 is invalid: expected a token id in \[0, 99\]"),
         (dict(num_key_value_heads=3), r"DominoConfig.num_key_value_heads=3 is invalid: expected a divisor of"),
         (dict(target_hidden_size=32), r"DominoConfig.target_hidden_size=32 is invalid: expected hidden_size=64"),
+        (dict(rope_parameters="abc"), r"DominoConfig.rope_parameters='abc' is invalid: expected null or a dict with"),
+        (dict(rope_parameters=5), r"DominoConfig.rope_parameters=5 is invalid: .* a positive rope_theta"),
+        (dict(rope_parameters={"rope_theta": "1e6"}), r"DominoConfig.rope_parameters=\{'rope_theta': '1e6'\} is inv"),
+        (dict(rms_norm_eps="1e-6"), r"DominoConfig.rms_norm_eps='1e-6' is invalid: expected a positive float"),
+        (dict(rms_norm_eps=0.0), r"DominoConfig.rms_norm_eps=0.0 is invalid: expected a positive float"),
+        (dict(hidden_act=3), r"DominoConfig.hidden_act=3 is invalid: expected an activation of transformers' ACT2FN"),
+        (dict(hidden_act="not_an_activation"), r"DominoConfig.hidden_act='not_an_activation' is invalid: .* silu"),
     ],
 )
 def test_config_rejects_invalid_fields(overrides, message):
     DominoConfig(**SMALL_CONFIG)  # the base config itself is valid
     with pytest.raises(ValueError, match=message):
         DominoConfig(**{**SMALL_CONFIG, **overrides})
+
+
+@pytest.mark.parametrize("field, value", [("rope_parameters", "abc"), ("rms_norm_eps", "1e-6"), ("hidden_act", 3)])
+def test_a_saved_config_of_a_wrongly_typed_field_is_named_on_loading(tmp_path, field, value):
+    tiny_draft(tiny_target("qwen3")).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=re.escape(f"DominoConfig.{field}={value!r} is invalid")):
+        DominoDraftModel.from_pretrained(tmp_path)

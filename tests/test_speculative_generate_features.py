@@ -16,7 +16,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from domino_spec.generation import speculative_generate
-from domino_spec.modeling_domino import StopStringDraftMask, install_generate_hook
+from domino_spec.generation_domino import StopStringDraftMask, install_generate_hook
 
 
 # transformers 5.17 to 5.24 validate an assistant's vocabulary before building its candidate generator: hooked too.
@@ -235,6 +235,18 @@ def test_hf_path_errors(models):
                         assistant_model=draft)  # fmt: skip
 
 
+@pytest.mark.parametrize("token", [-1, 128])
+def test_a_token_outside_the_vocabulary_is_named_on_both_paths(models, token):
+    target, draft = models
+    prompt = random_prompts(1, seed=8)[0].clone()
+    prompt[0, 2] = token
+    message = f"input_ids holds token id {token}, outside the target's vocabulary of 128 tokens \\(ids 0 to 127\\)"
+    with pytest.raises(ValueError, match=message):
+        speculative_generate(target, draft, prompt)
+    with pytest.raises(ValueError, match=message):
+        target.generate(prompt, max_new_tokens=5, assistant_model=draft)
+
+
 def test_a_draft_that_has_drafted_pickles_and_drafts_the_same_after(models):
     target, draft = models
     prompt = random_prompts(1, seed=10)[0]
@@ -264,6 +276,10 @@ def test_native_errors(models):
         speculative_generate(tiny_target("llama", hidden_size=32, num_attention_heads=2), draft, prompt)
     with pytest.raises(ValueError, match="left padding"):
         speculative_generate(target, draft, torch.ones(2, 4, dtype=torch.long), torch.tensor([[1, 1, 1, 0]] * 2))
+    with pytest.raises(ValueError, match="row 1 has no tokens .*: every prompt needs at least one"):  # not "padding"
+        speculative_generate(target, draft, torch.ones(2, 4, dtype=torch.long), torch.tensor([[1, 1, 1, 1], [0] * 4]))
+    with pytest.raises(ValueError, match=r"input_ids must be a \[batch_size, length\] tensor .* got shape \(0, 4\)"):
+        speculative_generate(target, draft, torch.ones(0, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
         speculative_generate(target, draft, prompt, max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature"):

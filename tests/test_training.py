@@ -442,6 +442,26 @@ def test_training_data_that_trains_nothing_is_refused_with_the_reason(tmp_path):
         load_training_dataset(str(tmp_path / "d.jsonl"), max_length=4)
 
 
+def test_a_malformed_jsonl_line_is_named_by_its_file_and_line(tmp_path):
+    from domino_spec.training.data import check_regenerated_by, finished_ids
+
+    record = {"id": "a", "prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}
+    text = "\n".join([json.dumps(record), "", '{"id": "b", "prompt_ids": [1, 2,', json.dumps({**record, "id": "c"})])
+    (tmp_path / "d.jsonl").write_text(text + "\n")  # line 3 is cut, after a blank line 2
+    message = re.escape(f"{tmp_path / 'd.jsonl'}, line 3: not valid JSON")
+    with pytest.raises(ValueError, match=message):
+        load_training_dataset(str(tmp_path / "d.jsonl"))
+    with pytest.raises(ValueError, match=message):  # resuming generate-data: a cut line mid-file is no kill's doing
+        finished_ids(str(tmp_path / "d.jsonl"))
+    assert (tmp_path / "d.jsonl").read_text() == text + "\n"  # and the records after it are kept
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "response_ids": [4, 5\n')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'd.jsonl'}, line 1: not valid JSON")):
+        check_regenerated_by(str(tmp_path / "d.jsonl"), tiny_target("llama"), tiny_tokenizer())
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hello"}\n\n\n[1, 2]\n')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'p.jsonl'}, line 4: a JSON list, not an object")):
+        load_prompts(str(tmp_path / "p.jsonl"))
+
+
 def test_data_of_another_tokenizer_is_refused_even_where_its_ids_fit(tmp_path):
     from domino_spec.training.data import check_regenerated_by
 
@@ -639,7 +659,7 @@ def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tm
     assert (tmp_path / "draft" / "model.safetensors").exists()
 
 
-def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
+def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path, tiny_target_dir):
     from domino_spec.training.cli import main
 
     result = _run([DOMINO_SPEC, "export", "--format", "sglang", str(tmp_path / "runs" / "typo"), str(tmp_path / "o")])
@@ -668,6 +688,30 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path):
         main(["train", "--config", str(tmp_path / "recipe.yml")])
     with pytest.raises(FileNotFoundError, match="--prompts .*promts.jsonl: no such file or folder"):
         main(["generate-data", "--target", "t", "--prompts", str(tmp_path / "promts.jsonl"), "--output", "o.jsonl"])
+
+    output = str(tmp_path / "out.jsonl")
+    (tmp_path / "no_prompts.jsonl").write_text("\n")
+    (tmp_path / "no_prompts.json").write_text("")
+    for prompts, message in (("no_prompts.jsonl", "holds no prompt"), ("no_prompts.json", "holds no JSON array")):
+        with pytest.raises(ValueError, match=f"{prompts} {message}"):  # not a run that writes nothing
+            main(["generate-data", "--target", tiny_target_dir, "--prompts", str(tmp_path / prompts), "--output", output])
+    assert not os.path.exists(output)
+    prompts = str(tmp_path / "prompts.jsonl")
+    _write_jsonl(prompts, [{"prompt": "hello"}])
+    (tmp_path / "empty").mkdir()
+    result = _run([DOMINO_SPEC, "generate-data", "--target", str(tmp_path / "empty"), "--prompts", prompts, "--output",
+                   output])  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()  # not a missing tokenizer library
+    assert line.startswith(f"domino-spec generate-data: error: target {tmp_path / 'empty'} holds no model: it has no "
+                           "config.json, no weights (model.safetensors or "), line  # fmt: skip
+    assert "no tokenizer files (tokenizer.json or " in line
+    (tmp_path / "random_files").mkdir()
+    (tmp_path / "random_files" / "notes.txt").write_text("not a model")
+    tiny_target("llama").save_pretrained(tmp_path / "model_only")
+    for folder, missing in (("random_files", "no config.json, no weights"), ("model_only", "no tokenizer files")):
+        with pytest.raises(FileNotFoundError, match=f"{folder} holds no model: it has {missing} \\("):
+            main(["generate-data", "--target", str(tmp_path / folder), "--prompts", prompts, "--output", output])
 
 
 def test_a_missing_asset_package_ends_in_one_line_unless_the_traceback_is_asked_for(tmp_path, monkeypatch, capsys):

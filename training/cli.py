@@ -30,6 +30,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from ..assets import MissingAssetError
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DominoDraftModel
+from ..published_format import CONFIG_NAME, WEIGHT_FILES
 from .export import main as export_main
 from .model_card import check_draft_folder, draft_config
 from .model_card import main as card_main
@@ -37,6 +38,8 @@ from .trainer import DominoTrainingArguments
 
 # The published Qwen3-8B draft has 5 layers for a 36-layer target; `train` scales this to other targets.
 PUBLISHED_DRAFT_LAYERS, PUBLISHED_TARGET_LAYERS = 5, 36
+# Any one of these marks a saved tokenizer; which of them a model needs depends on its tokenizer class.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_target(name_or_path: str, dtype: torch.dtype | None = None, device: str | None = None):
@@ -53,9 +56,26 @@ def load_target(name_or_path: str, dtype: torch.dtype | None = None, device: str
             f"target {name_or_path!r}: no such folder, and not an asset name ({', '.join(sorted(assets.TARGETS))})"
         )
     else:
+        check_model_folder(name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     return model.to(device).eval(), tokenizer
+
+
+def check_model_folder(folder: str) -> None:
+    """Raise `FileNotFoundError` naming what `folder` lacks to be a saved model: transformers would otherwise report an
+    empty folder as a missing tokenizer library."""
+    names = set(os.listdir(folder))
+    missing = [f"no {CONFIG_NAME}"] if CONFIG_NAME not in names else []
+    if not names & set(WEIGHT_FILES):
+        missing.append(f"no weights ({' or '.join(WEIGHT_FILES)})")
+    if not names & set(TOKENIZER_FILES):
+        missing.append(f"no tokenizer files ({' or '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise FileNotFoundError(
+            f"target {folder} holds no model: it has {', '.join(missing)}; a model folder holds all three, as "
+            "`save_pretrained` of a model and of its tokenizer writes them."
+        )
 
 
 # ---------------------------------------------------------------------- generate-data
@@ -81,8 +101,8 @@ def generate_data(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if not os.path.exists(args.prompts):
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file or folder")
+    prompts = load_prompts(args.prompts, limit=args.limit)  # before the target: a bad file fails without the wait
     target, tokenizer = load_target(args.target)
-    prompts = load_prompts(args.prompts, limit=args.limit)
     thinking = None if args.thinking is None else args.thinking == "on"
     written = regenerate_responses(
         target,

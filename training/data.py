@@ -38,6 +38,8 @@ def read_sharegpt(path: str) -> Iterator[dict]:
     """Records of a ShareGPT JSON array; a truncated file yields every complete record before the cut."""
     with open(path, encoding="utf-8") as file:
         text = file.read()
+    if "[" not in text:
+        raise ValueError(f"{path} holds no JSON array: a .json prompt file is a ShareGPT array, [{{...}}, ...].")
     decoder = json.JSONDecoder()
     position = text.index("[") + 1
     while True:
@@ -119,6 +121,8 @@ def load_prompts(path: str, limit: int | None = None) -> list[Prompt]:
         prompts.append(prompt)
         if limit is not None and len(prompts) >= limit:
             break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt: none of its records has a user turn with text.")
     return prompts
 
 
@@ -127,10 +131,25 @@ def _messages_key(messages: list[dict]) -> str:
 
 
 def _read_jsonl(path: str) -> Iterator[dict]:
+    """The records of a JSON Lines file, one object per non-blank line."""
     with open(path, encoding="utf-8") as file:
-        for line in file:
+        for line_number, line in enumerate(file, start=1):
             if line.strip():
-                yield json.loads(line)
+                yield _json_record(line, path, line_number)
+
+
+def _json_record(line: str | bytes, path: str, line_number: int) -> dict:
+    """One line's record; `ValueError` naming the file and the line of the file (from 1, blank lines counted) where it
+    is not a JSON object: the parser alone would say "line 1", of the line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg} at column {error.colno}); each "
+                         "line must be one JSON object.") from None  # fmt: skip
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}, line {line_number}: a JSON {type(record).__name__}, not an object; each line must "
+                         "be one JSON object.")  # fmt: skip
+    return record
 
 
 # ---------------------------------------------------------------------- regeneration
@@ -146,19 +165,17 @@ def prompt_token_ids(tokenizer, messages: list[dict], thinking: bool | None = No
 
 
 def finished_ids(output_path: str) -> set[str]:
-    """Ids already regenerated. A line cut by a kill is removed so appending starts on a clean line."""
+    """Ids already regenerated. A line cut by a kill is removed so appending starts on a clean line; a malformed line
+    before it raises `ValueError` naming it, rather than being cut away with every record after it."""
     if not os.path.exists(output_path):
         return set()
     done, valid_bytes = set(), 0
     with open(output_path, "rb") as file:
-        for line in file:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+        for line_number, line in enumerate(file, start=1):
+            if not line.endswith(b"\n"):  # only the last line can be cut: every record is written with its newline
                 break
-            if not line.endswith(b"\n"):
-                break
-            done.add(record["id"])
+            if line.strip():
+                done.add(_json_record(line, output_path, line_number)["id"])
             valid_bytes += len(line)
     if valid_bytes != os.path.getsize(output_path):
         with open(output_path, "rb+") as file:
@@ -299,6 +316,8 @@ def load_training_dataset(path: str, max_length: int = 3072, min_response_tokens
 
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path} is empty: make training data with `domino-spec generate-data`.")
+    for _ in _read_jsonl(path):  # names a malformed line's file and line, which `datasets` would not
+        pass
     raw = datasets.load_dataset("json", data_files=path, split="train")
     missing = {"prompt_ids", "response_ids"} - set(raw.column_names)
     if missing:
