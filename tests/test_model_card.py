@@ -137,26 +137,40 @@ def test_card_command_writes_and_pushes_through_huggingface_hub(tmp_path, monkey
     assert calls == [("create", "me/draft"), ("upload", "me/draft", str(folder))]
 
 
-def test_pushing_a_train_output_folder_leaves_out_its_checkpoints(tmp_path, monkeypatch):
-    """`domino-spec train` writes checkpoint-N folders (optimizer state included) next to the final draft: the upload
-    of the folder is the draft, not the run."""
+def test_pushing_a_train_output_folder_uploads_the_draft_and_never_a_pickle(tmp_path, monkeypatch):
+    """A `domino-spec train` output folder also holds Trainer's `training_args.bin` (a pickle holding `--hub_token` in
+    clear text), resume state and checkpoint-N folders: the upload is an allowlist of the draft's root files."""
+    import torch
+    from huggingface_hub.hf_api import DEFAULT_IGNORE_PATTERNS
     from huggingface_hub.utils import filter_repo_objects
+    from transformers import TrainingArguments
 
+    fake_token = "hf_FAKEtokenThatMustNeverBeUploaded"
     folder = _draft_folder(tmp_path)
-    (folder / "checkpoint-2").mkdir()
-    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
-        (folder / "checkpoint-2" / name).write_text("x")
-    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):  # DIR may itself be a checkpoint
-        (folder / name).write_text("x")
+    (folder / "bench_results.json").write_text(json.dumps(BENCH))
+    model_card.write_model_card(str(folder), training={"global_step": 2})
+    draft_files = {path.name for path in folder.iterdir()}
+    expected = {"README.md", "config.json", "model.safetensors", "modeling_domino.py", "training_summary.json"}
+    assert expected <= draft_files
+    # What Trainer writes next to the draft: the pickled arguments (token included), resume state, checkpoints.
+    torch.save(TrainingArguments(output_dir=str(tmp_path / "run"), hub_token=fake_token), folder / "training_args.bin")
+    assert fake_token.encode() in (folder / "training_args.bin").read_bytes()
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "extra_state.pkl"):
+        (folder / name).write_text(fake_token)
+    (folder / "checkpoint-1").mkdir()
+    for name in ("model.safetensors", "config.json", "trainer_state.json", "training_args.bin", "optimizer.pt"):
+        (folder / "checkpoint-1" / name).write_text(fake_token)
     uploads = []
 
-    def upload_folder(self, folder_path, repo_id, ignore_patterns=None, **kwargs):
-        files = [str(path.relative_to(folder_path)) for path in sorted(folder.rglob("*")) if path.is_file()]
-        uploads.append(list(filter_repo_objects(files, ignore_patterns=ignore_patterns)))
+    def upload_folder(self, folder_path, repo_id, allow_patterns=None, ignore_patterns=None, **kwargs):
+        # The files huggingface_hub's upload_folder would send: its own listing and pattern filter.
+        files = [path.relative_to(folder_path).as_posix() for path in sorted(folder.glob("**/*")) if path.is_file()]
+        ignored = list(ignore_patterns or []) + DEFAULT_IGNORE_PATTERNS
+        uploads.append(list(filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignored)))
 
     monkeypatch.setattr(model_card.HfApi, "create_repo", lambda self, repo_id, **kw: None)
     monkeypatch.setattr(model_card.HfApi, "upload_folder", upload_folder)
     cli_main(["card", str(folder), "--push-to-hub", "me/draft"])
     (uploaded,) = uploads
-    assert {"README.md", "config.json", "model.safetensors", "modeling_domino.py"} <= set(uploaded)
-    assert not [name for name in uploaded if name.startswith("checkpoint-") or name.endswith((".pt", ".pth"))]
+    assert set(uploaded) == draft_files
+    assert not [name for name in uploaded if fake_token.encode() in (folder / name).read_bytes()]

@@ -5,7 +5,7 @@
     domino-spec train --target DIR --data FILE --output DIR --max-steps N
     domino-spec export --format sglang DIR OUT
     domino-spec card DIR [--push-to-hub REPO]
-    domino-spec bench [--target DIR] [--domino DIR] [--eval-sets ...] [--limit N]
+    domino-spec bench [--target DIR] [--domino DIR] [--eval-sets ...] [--limit N] [--quality [--allow-code-execution]]
     domino-spec demo [--question TEXT] [--tiny]
 
 A mistake (a missing file, bad data, a draft for another target) ends with one line naming it and the fix, status 2;
@@ -495,6 +495,11 @@ def bench(argv: list[str]) -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (quick runs)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--quality", action="store_true", help="also score every method's outputs with evaluate")
+    parser.add_argument(
+        "--allow-code-execution", action="store_true",
+        help="let --quality score HumanEval by running the model-written programs here, sandboxed (README: what the "
+        "sandbox isolates; it is not a security boundary). HF_ALLOW_CODE_EVAL=1 allows it too",
+    )  # fmt: skip
     parser.add_argument("--output", default="runs/bench", help="folder for bench_results.{json,md} and the figure")
     args = parser.parse_args(argv)
     from ..generation.demo import SHIPPED_DRAFT
@@ -503,6 +508,11 @@ def bench(argv: list[str]) -> None:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    eval_sets = [name for name in args.eval_sets.split(",") if name]
+    if args.quality:  # before any model loads or decodes
+        from ..generation.quality import require_code_execution
+
+        require_code_execution(args.allow_code_execution, eval_sets)
     needed = {DRAFT_OF[method] for method in methods if method in DRAFT_OF}
     folders = {name: folder for name, folder in (("domino", args.domino or SHIPPED_DRAFT), ("dflash", args.dflash))
                if folder and name in needed}  # fmt: skip
@@ -514,12 +524,12 @@ def bench(argv: list[str]) -> None:
     target, tokenizer = load_target(args.target)
     drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
               for name, folder in folders.items()}  # fmt: skip
-    prompts = {name: eval_prompts(name, args.limit) for name in args.eval_sets.split(",") if name}
+    prompts = {name: eval_prompts(name, args.limit) for name in eval_sets}
     report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens)
     if args.quality:
         from ..generation.quality import score_report
 
-        report["quality"] = score_report(report)
+        report["quality"] = score_report(report, allow_code_execution=args.allow_code_execution)
     paths = write_results(report, args.output)
     with open(paths["results.md"], encoding="utf-8") as file:
         print(file.read())

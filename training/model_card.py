@@ -44,9 +44,13 @@ SUMMARY_ARGUMENTS = (
     "training_time_test",
 )
 LOGGED_METRICS = ("loss", "loss_base", "loss_final", "lam", "acceptance_base", "acceptance_final")
-# What a folder upload leaves out: Trainer's checkpoints of the run and the state it resumes from (optimizer,
-# scheduler, RNG), which only training needs.
-UPLOAD_IGNORE_PATTERNS = ["checkpoint-*", "optimizer.pt", "scheduler.pt", "rng_state*.pth"]
+# What a folder upload holds, by allowlist: the weights, the JSON at the root (config.json, generation_config.json,
+# model.safetensors.index.json, training_summary.json, bench_results.json), the model code and the card. Never a
+# pickle: Trainer's training_args.bin holds a `--hub_token` in clear text, and its optimizer, scheduler and RNG state
+# are pickles too.
+UPLOAD_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.py", CARD_NAME]
+# huggingface_hub's `*` also matches "/": this keeps the allowlist to the folder's root, without checkpoint-N/.
+UPLOAD_IGNORE_PATTERNS = ["*/*"]
 
 
 # ---------------------------------------------------------------------- inputs
@@ -246,7 +250,8 @@ draft.push_to_hub("{repo_id}")  # weights, config.json and the model code (trust
 from huggingface_hub import ModelCard
 ModelCard.load("DRAFT_DIR/README.md").push_to_hub("{repo_id}")
 ```
-or, for a whole folder (card, weights, training summary): `domino-spec card DRAFT_DIR --push-to-hub {repo_id}`."""
+or, for the whole draft (card, weights, code, training summary; never the folder's pickles such as
+`training_args.bin`, nor its `checkpoint-N` folders): `domino-spec card DRAFT_DIR --push-to-hub {repo_id}`."""
     return f"## Uploading\n\n{how}\nLog in first with `hf auth login` (or set `HF_TOKEN`)."
 
 
@@ -362,12 +367,20 @@ def write_model_card(folder: str, training: dict | None = None, **card_kwargs) -
 
 
 def push_folder_to_hub(folder: str, repo_id: str, private: bool = False, token: str | None = None) -> str:
-    """Upload a draft folder (card included) to the Hub with huggingface_hub, without the `checkpoint-N` folders and
-    resume state a `domino-spec train` output folder also holds; returns the commit URL."""
+    """Upload a draft folder to the Hub with huggingface_hub: only the files at its root that `UPLOAD_ALLOW_PATTERNS`
+    names (weights, JSON, model code, card), never the pickles (`training_args.bin` with any Hub token, optimizer,
+    scheduler and RNG state) or `checkpoint-N` folders a `domino-spec train` output folder also holds; returns the
+    commit URL."""
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    return str(api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message="Upload Domino draft",
-                                 ignore_patterns=UPLOAD_IGNORE_PATTERNS))  # fmt: skip
+    commit = api.upload_folder(
+        folder_path=folder,
+        repo_id=repo_id,
+        commit_message="Upload Domino draft",
+        allow_patterns=UPLOAD_ALLOW_PATTERNS,
+        ignore_patterns=UPLOAD_IGNORE_PATTERNS,
+    )
+    return str(commit)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -381,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", default=None, help="a bench_results.json to copy into DIR and show")
     parser.add_argument(
         "--push-to-hub", default=None, metavar="REPO",
-        help="upload DIR to this Hub repo afterwards (without checkpoint-N folders and optimizer state)",
+        help="upload DIR to this Hub repo afterwards: only its root's *.safetensors, *.json, *.py and README.md "
+        "(no pickles such as training_args.bin, which holds any --hub_token; no checkpoint-N folders)",
     )  # fmt: skip
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
     args = parser.parse_args(argv)

@@ -18,6 +18,7 @@ done
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
 python recipes/smollm2-135m/ship.py $RUN/domino checkpoints/domino-smollm2-135m
 python recipes/smollm2-135m/ship.py $RUN/dflash $RUN/dflash-bf16
+# --quality scores HumanEval by running SmolLM2's programs here, in the sandbox the README describes.
 domino-spec bench --domino checkpoints/domino-smollm2-135m --dflash $RUN/dflash-bf16 --limit 10 --quality \
-    --output $RUN/bench
+    --allow-code-execution --output $RUN/bench
 python recipes/smollm2-135m/ship.py $RUN/domino checkpoints/domino-smollm2-135m --bench $RUN/bench/bench_results.json
