@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
 from speculative_helpers import OracleDraft
 
+from domino_spec import DraftingOptions
 from domino_spec.generation import pooled_position_rates, speculative_generate
 from domino_spec.generation.bench import (
     METHODS,
@@ -24,6 +25,8 @@ def test_bench_runs_every_method_and_writes_results(tmp_path):
     target = tiny_target("llama")
     target.generation_config.eos_token_id = 1
     drafts = {"domino": tiny_draft(target), "dflash": tiny_draft(target, use_domino_head=False, seed=2)}
+    for draft in drafts.values():  # a random draft's drafts never pay a longer verify pass: verify them all
+        draft.drafting_options = DraftingOptions(draft_length="full")
     prompts = {
         "set-a": [{"id": "a0", "messages": [{"role": "user", "content": "hello there"}], "reference": None}],
         "set-b": [{"id": f"b{i}", "messages": [{"role": "user", "content": f"what is {i} + {i}?"}], "reference": str(2 * i)} for i in range(2)],

@@ -20,6 +20,7 @@ from conftest import tiny_draft, tiny_target
 from speculative_helpers import OracleDraft, draft_from_scratch, random_prompts
 from transformers import AutoModel
 
+from domino_spec import DraftingOptions
 from domino_spec.generation import left_pad, speculative_generate
 
 NUM_PROMPTS = 50
@@ -74,6 +75,7 @@ def setup(request, tmp_path_factory) -> Setup:
     torch.manual_seed(2)
     oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
                                      gru_hidden_dim=8, residual_rank=8).eval()
+    oracle.drafting_options = DraftingOptions(draft_length="full")  # full blocks, whatever verifying them costs
     cases = _build_cases(target, draft.config.num_draft_tokens, seed=100 + len(family))
     assert sum(case.eos_token_id is not None for case in cases) >= NUM_PROMPTS // 3
     return Setup(family, target, draft, loaded_draft, oracle, cases)
@@ -151,6 +153,7 @@ def test_every_round_drafts_what_a_draft_from_scratch_drafts(path):
     at once (one target forward, an empty context cache)."""
     target = tiny_target("qwen3", dtype=torch.float64)
     draft = tiny_draft(target).to(torch.float64)
+    draft.drafting_options = DraftingOptions(draft_length="full")  # no cost measurement: every round is the test's
     rounds = []
 
     def recording_draft_block(**kwargs):
@@ -230,6 +233,7 @@ def test_native_sliding_window_target_one_prompt_at_a_time(family):
     target = _sliding_window_target(family)
     oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
                                      gru_hidden_dim=8, residual_rank=8).eval()
+    full_blocks = DraftingOptions(draft_length="full")  # rejected drafts every round, and no cost measurement
     longest_window = []  # stored slots of the sliding layers before each target forward
 
     def record(module, args, kwargs):
@@ -246,7 +250,7 @@ def test_native_sliding_window_target_one_prompt_at_a_time(family):
             oracle.set_sequences([greedy_sequence[0].tolist()])
             for draft in [None, tiny_draft(target), oracle]:
                 longest_window.clear()
-                output = speculative_generate(target, draft, prompt, max_new_tokens=20)
+                output = speculative_generate(target, draft, prompt, max_new_tokens=20, options=full_blocks)
                 assert torch.equal(output.sequences, expected), f"{family}, draft {type(draft).__name__}"
                 assert max(longest_window) <= SLIDING_WINDOW - 1, f"sliding layers kept {max(longest_window)} slots"
     finally:
