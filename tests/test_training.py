@@ -116,6 +116,22 @@ def test_seeded_anchors_are_fixed_per_batch_and_differ_between_batches():
     assert len({tuple(positions[0].tolist()) for positions in anchors}) > 1
 
 
+def test_training_draws_each_examples_anchors_from_the_seed_and_the_step(tmp_path):
+    """Whatever the global generator drew before: a resumed run trains on the blocks the uninterrupted one trained on.
+    The next step (another epoch) draws others."""
+    target = tiny_target("llama")
+    examples = _random_examples(count=2, length=16, prompt_length=4)
+    trainer = _trainer(tmp_path, target, tiny_draft(target).float(), examples, num_anchors=2)
+    batch = DominoDataCollator(pad_token_id=0, num_anchors=2)(examples)
+    trainer.current_gradient_accumulation_steps = 1  # as Trainer's loop sets it before each step
+    losses = []
+    for step in (0, 0, 1):
+        trainer.state.global_step = step
+        torch.rand(3)  # the global generator moves on
+        losses.append(trainer.training_step(trainer.model, batch).item())
+    assert losses[0] == losses[1] != losses[2]
+
+
 # ---------------------------------------------------------------------- what a block sees
 
 
@@ -338,7 +354,7 @@ def test_a_first_ctrl_c_asks_for_a_checkpoint_and_a_second_interrupts_at_once():
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     target = tiny_target("llama")
-    # The same seed draws the same anchors in both runs (row by row, in the same order): they train the same blocks.
+    # Each example's anchors come from the seed, the step and its tokens: both runs train the same blocks.
     examples = _random_examples(count=2, length=12, prompt_length=4)
     examples[1]["input_ids"] = examples[1]["input_ids"][:10]  # different lengths: padding and per-sequence means
     examples[1]["loss_mask"] = examples[1]["loss_mask"][:10]
@@ -657,6 +673,112 @@ def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tm
     out = capsys.readouterr().out
     assert "'loss'" not in out and f"saved the draft to {tmp_path / 'draft'}" in out
     assert (tmp_path / "draft" / "model.safetensors").exists()
+
+
+def _checkpointing_train_flags(tmp_path, target_dir: str, records: int) -> list[str]:
+    """`train` flags of a 1-layer draft on `records` tiny records in batches of 2, saving a checkpoint and logging
+    every step; no output folder or step limit yet."""
+    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
+            for i in range(records)]  # fmt: skip
+    _write_jsonl(tmp_path / "data.jsonl", data)
+    flags = ["--target", target_dir, "--data", str(tmp_path / "data.jsonl"), "--block_size", "4", "--num_anchors", "4"]
+    flags += ["--draft_layers", "1", "--per_device_train_batch_size", "2", "--save_strategy", "steps"]
+    return flags + ["--save_steps", "1", "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]
+
+
+def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, tiny_target_dir):
+    """The anchors of a step come from the seed, the step and its examples, not from what was drawn before it: the
+    resumed run trains on the blocks the uninterrupted one trained on."""
+    from safetensors.torch import load_file
+
+    from domino_spec.training.cli import main
+
+    command = ["train", *_checkpointing_train_flags(tmp_path, tiny_target_dir, records=6), "--max_steps", "5"]
+    main(command + ["--output", str(tmp_path / "whole")])
+    # Step 4 is the first of the second epoch (3 steps each): as a run stopped there, rerun.
+    shutil.copytree(tmp_path / "whole" / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4")
+    main(command + ["--output", str(tmp_path / "resumed")])
+    whole, resumed = (load_file(tmp_path / run / "model.safetensors") for run in ("whole", "resumed"))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[name], resumed[name]) for name in whole)
+
+
+def test_a_truncated_checkpoint_file_is_skipped_with_a_warning_or_refused_when_named(tmp_path, tiny_target_dir, capsys):
+    from domino_spec.training.cli import checkpoint_to_resume, main
+
+    output = tmp_path / "draft"
+    flags = [*_checkpointing_train_flags(tmp_path, tiny_target_dir, records=4), "--output", str(output)]
+    main(["train", *flags, "--max_steps", "2"])
+    newest, previous = output / "checkpoint-2", output / "checkpoint-1"
+    for name in ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        intact = (newest / name).read_bytes()
+        (newest / name).write_bytes(intact[: len(intact) // 2])  # as a disk fault or a cut-short copy leaves it
+        capsys.readouterr()
+        assert checkpoint_to_resume(parse_train_arguments(flags)[1]) == str(previous)
+        assert capsys.readouterr().err.startswith(f"skipping {newest}: {newest / name} is not a readable")
+        with pytest.raises(ValueError, match=f"--resume_from_checkpoint {newest}: {newest / name} is not a readable"):
+            checkpoint_to_resume(parse_train_arguments([*flags, "--resume_from_checkpoint", str(newest)])[1])
+        (newest / name).write_bytes(intact)
+
+    intact = (newest / "optimizer.pt").read_bytes()
+    (newest / "optimizer.pt").write_bytes(intact[:-100])
+    capsys.readouterr()
+    main(["train", *flags, "--max_steps", "3"])  # steps 2 and 3, from checkpoint-1
+    out, err = capsys.readouterr()
+    (warning,) = [line for line in err.splitlines() if "skipping" in line]
+    assert warning.startswith(f"skipping {newest}: {newest / 'optimizer.pt'} is not a readable torch file")
+    assert f"resuming from {previous}" in out and out.count("'loss'") == 2
+    assert json.loads((output / "training_summary.json").read_text())["global_step"] == 3
+    assert not (output / ".partial-save").exists()
+
+    final = (output / "model.safetensors").read_bytes()
+    (output / "model.safetensors").write_bytes(final[:-100])  # a save cut short: not the draft of a finished run
+    main(["train", *flags, "--max_steps", "3"])  # step 3 ends mid-epoch: Trainer's `train` would train on
+    out, err = capsys.readouterr()
+    assert "already holds" not in out and "'loss'" not in out and f"saved the draft to {output}" in out
+    assert f"{output / 'checkpoint-3'} ends the run, but {output / 'model.safetensors'} is not a readable" in err
+    assert (output / "model.safetensors").read_bytes() == final
+    main(["train", *flags, "--max_steps", "3"])
+    assert "already holds the draft of a finished run" in capsys.readouterr().out
+
+
+def test_a_final_draft_of_an_earlier_step_is_not_taken_for_the_finished_runs(tmp_path, tiny_target_dir, capsys):
+    """Training on from a finished run, killed after its last checkpoint but before its final save: the folder still
+    holds the earlier run's draft, which is not the draft of the run that now ends."""
+    from domino_spec.training.cli import main
+
+    output = tmp_path / "draft"
+    command = ["train", *_checkpointing_train_flags(tmp_path, tiny_target_dir, records=2), "--output", str(output)]
+    main(command + ["--max_steps", "1"])
+    earlier = {path.name: path.read_bytes() for path in output.iterdir() if path.is_file()}
+    main(command + ["--max_steps", "2"])
+    for name, content in earlier.items():
+        (output / name).write_bytes(content)
+    capsys.readouterr()
+    main(command + ["--max_steps", "2"])
+    out, err = capsys.readouterr()
+    assert "already holds" not in out and f"the draft in {output} is not of step 2" in err
+    assert json.loads((output / "training_summary.json").read_text())["global_step"] == 2
+
+
+def test_a_save_moves_its_weights_in_last_after_removing_the_ones_they_replace(tmp_path, monkeypatch):
+    """Killed between two moves, the folder holds no weights (its final save is redone) or the new ones with every
+    other file of their save; never truncated weights, nor old weights beside a new config."""
+    from domino_spec.training.trainer import move_into_place
+
+    folder, partial = tmp_path / "draft", tmp_path / "draft" / ".partial-save"
+    partial.mkdir(parents=True)
+    (folder / "model.safetensors").write_text("old")
+    for name in ("config.json", "model.safetensors", "README.md", "training_summary.json"):
+        (partial / name).write_text("new")
+    states = []  # what a kill before each move would leave
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda *paths: (states.append(sorted(os.listdir(folder))), replace(*paths)))
+    move_into_place(str(partial), str(folder))
+    assert [("model.safetensors" in state) for state in states] == [False] * 4
+    assert states[-1] == [".partial-save", "README.md", "config.json", "training_summary.json"]
+    assert sorted(os.listdir(folder)) == ["README.md", "config.json", "model.safetensors", "training_summary.json"]
+    assert all((folder / name).read_text() == "new" for name in os.listdir(folder))
 
 
 def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path, tiny_target_dir):

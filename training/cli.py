@@ -26,13 +26,20 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_pt_utils import safe_globals
 
 from ..assets import MissingAssetError
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DominoDraftModel
-from ..published_format import CONFIG_NAME, WEIGHT_FILES
+from ..published_format import (
+    CONFIG_NAME,
+    WEIGHT_FILES,
+    check_checkpoint_folder,
+    check_safetensors_file,
+    read_config_dict,
+)
 from .export import main as export_main
-from .model_card import check_draft_folder, draft_config
+from .model_card import TRAINING_SUMMARY, check_draft_folder, draft_config, read_json
 from .model_card import main as card_main
 from .trainer import DominoTrainingArguments
 
@@ -263,11 +270,14 @@ def train(argv: list[str]) -> None:
     checkpoint = checkpoint_to_resume(training_args)
     if checkpoint is not None:
         check_resumable(checkpoint, draft)
-        final_draft = os.path.join(training_args.output_dir, "model.safetensors")
-        if finished_at(checkpoint, training_args) and os.path.isfile(final_draft):
+    finished = checkpoint is not None and finished_at(checkpoint, training_args)
+    if finished:
+        problem = final_draft_problem(training_args.output_dir, checkpoint)
+        if problem is None:
             print(f"{training_args.output_dir} already holds the draft of a finished run ({checkpoint}); raise "
                   "--max_steps to train on, or --restart to start over.")  # fmt: skip
             return
+        print(f"{checkpoint} ends the run, but {problem}: saving its draft again", file=sys.stderr)
     feature_store = None
     if draft_args.features:
         feature_store = FeatureStore(draft_args.features)
@@ -282,12 +292,15 @@ def train(argv: list[str]) -> None:
         data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
         data_summary=data_summary,
     )
-    trainer.train(resume_from_checkpoint=checkpoint)
-    stopped_by = trainer.stop_on_signal.received
-    if stopped_by is not None:
-        print(f"{stopped_by.name}: stopped at step {trainer.state.global_step} with a checkpoint in "
-              f"{training_args.output_dir}; rerun the same command to resume.", file=sys.stderr)  # fmt: skip
-        raise SystemExit(128 + stopped_by.value)
+    if finished:  # not `train`: resumed in the middle of an epoch, Trainer would train one step more
+        trainer.load_finished_run(checkpoint)
+    else:
+        trainer.train(resume_from_checkpoint=checkpoint)
+        stopped_by = trainer.stop_on_signal.received
+        if stopped_by is not None:
+            print(f"{stopped_by.name}: stopped at step {trainer.state.global_step} with a checkpoint in "
+                  f"{training_args.output_dir}; rerun the same command to resume.", file=sys.stderr)  # fmt: skip
+            raise SystemExit(128 + stopped_by.value)
     trainer.save_model(training_args.output_dir)
     print(f"saved the draft to {training_args.output_dir}")
     if eval_dataset is not None and training_args.eval_strategy == "no":
@@ -323,12 +336,16 @@ def load_checked_data(path: str, target, tokenizer, max_length: int):
 
 def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
     """`--resume_from_checkpoint` (a folder, or `true`: the last in output_dir); without it the last checkpoint in
-    output_dir, so that rerunning an interrupted command continues it, unless `--restart`."""
+    output_dir, so that rerunning an interrupted command continues it, unless `--restart`. A folder named that is
+    incomplete or holds an unreadable file is an error; `last_complete_checkpoint` skips such folders."""
     chosen = training_args.resume_from_checkpoint
     if chosen is not None and chosen.lower() not in ("true", "last"):
         if _trainer_state(chosen) is None:
             raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: not a complete Trainer checkpoint (no "
                                     f"readable {TRAINER_STATE_NAME} in it)")  # fmt: skip
+        problem = unreadable_checkpoint_file(chosen)
+        if problem is not None:
+            raise ValueError(f"--resume_from_checkpoint {chosen}: {problem}; resume from another checkpoint")
         return chosen
     last = last_complete_checkpoint(training_args.output_dir)
     if chosen is not None:
@@ -361,9 +378,24 @@ def check_resumable(checkpoint: str, draft: DominoDraftModel) -> None:
         )
 
 
+def final_draft_problem(output_dir: str, checkpoint: str) -> str | None:
+    """What keeps `output_dir` from holding the final draft of the run that ended at `checkpoint`, or None: a missing
+    or unreadable config or weights (a save moves the weights in last, after the rest of its files), or the draft of
+    another step (an earlier run's, its final save not yet redone)."""
+    try:
+        check_checkpoint_folder(output_dir)
+        summary = read_json(output_dir, TRAINING_SUMMARY) or {}
+    except (FileNotFoundError, ValueError) as error:
+        return str(error)
+    step = _trainer_state(checkpoint)["global_step"]
+    if summary.get("global_step") != step:
+        return f"the draft in {output_dir} is not of step {step} ({TRAINING_SUMMARY}: {summary.get('global_step')})"
+    return None
+
+
 def finished_at(checkpoint: str, training_args: DominoTrainingArguments) -> bool:
-    """Whether the checkpoint reached `--max_steps`, or `--num_train_epochs` without it: resumed there, Trainer has
-    nothing left to train."""
+    """Whether the checkpoint reached `--max_steps`, or `--num_train_epochs` without it: the run is over, and only its
+    final draft may be left to save."""
     state = _trainer_state(checkpoint)
     if training_args.max_steps > 0:
         return state["global_step"] >= training_args.max_steps
@@ -372,17 +404,43 @@ def finished_at(checkpoint: str, training_args: DominoTrainingArguments) -> bool
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
     """The highest-step `checkpoint-N` folder of `output_dir` that Trainer finished writing (`trainer_state.json`
-    comes last). A newer, incomplete one (a save cut short by a kill) is skipped with a warning and left in place."""
+    comes last) and can read back. A newer one, incomplete (a save cut short by a kill) or with an unreadable file,
+    is skipped with a one-line warning and left in place."""
     if not os.path.isdir(output_dir):
         return None
     steps = {int(name.removeprefix("checkpoint-")): name for name in os.listdir(output_dir)
              if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit()}  # fmt: skip
     for step in sorted(steps, reverse=True):
         folder = os.path.join(output_dir, steps[step])
-        if _trainer_state(folder) is not None:
+        if _trainer_state(folder) is None:
+            print(f"skipping {folder}: incomplete (no readable {TRAINER_STATE_NAME}; its save was cut short)",
+                  file=sys.stderr)  # fmt: skip
+        elif (problem := unreadable_checkpoint_file(folder)) is not None:
+            print(f"skipping {folder}: {problem}", file=sys.stderr)
+        else:
             return folder
-        print(f"skipping {folder}: incomplete (no readable {TRAINER_STATE_NAME}; its save was cut short)",
-              file=sys.stderr)  # fmt: skip
+    return None
+
+
+def unreadable_checkpoint_file(folder: str) -> str | None:
+    """The first file of the checkpoint `folder` that Trainer would fail to load on resuming, as a message naming it
+    (truncated or corrupt: a disk fault, or a kill while copying); None when all read. Checked: the weights (header
+    and tensor extents), the JSON files, and the torch files (optimizer, scheduler, RNG states)."""
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        try:
+            if name.endswith(".safetensors"):
+                check_safetensors_file(path)
+            elif name.endswith(".json"):
+                read_config_dict(path)
+        except ValueError as error:  # both name the file
+            return str(error)
+        if name.endswith((".pt", ".pth")):
+            try:
+                with safe_globals():  # as Trainer loads them; mmap reads the zip's index, not every tensor
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as error:  # whatever fails torch.load here fails Trainer's load of the file
+                return f"{path} is not a readable torch file (truncated or corrupt?): {error}"
     return None
 
 

@@ -8,8 +8,18 @@ import torch
 from .features import FeatureStore
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """`num_anchors` anchor positions `[B, N]` inside each response.
+def seeded_generator(seed: int, *keys: int | torch.Tensor) -> torch.Generator:
+    """A generator fixed by `seed` and `keys` (numbers, tensors): the same keys draw the same numbers in any process
+    or DataLoader worker, whatever was drawn before."""
+    digest = hashlib.sha256(b"".join(torch.as_tensor(key).cpu().numpy().tobytes() for key in keys)).digest()
+    return torch.Generator().manual_seed(seed ^ int.from_bytes(digest[:7], "little"))
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | list[torch.Generator] | None = None
+) -> torch.Tensor:
+    """`num_anchors` anchor positions `[B, N]` inside each response, drawn with `generator`: one for the batch, or
+    one per row (a row's anchors then do not depend on the rows batched with it, only on N).
 
     An anchor is a response token followed by a response token: at inference the first anchor is the target's
     first response token (its prefill output), so the prompt's last token never anchors a block. Positions are
@@ -22,12 +32,14 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     candidates[:, :-1] = loss_mask[:, 1:].bool() & loss_mask[:, :-1].bool()
     num_anchors = max(1, min(num_anchors, int(candidates.sum(-1).max())))
     anchors = torch.zeros(batch_size, num_anchors, dtype=torch.long)
-    for row in range(batch_size):
+    generators = generator if isinstance(generator, list) else [generator] * batch_size
+    for row, row_generator in enumerate(generators):
         positions = candidates[row].nonzero().flatten()
         if positions.numel() == 0:
             raise ValueError(f"sequence {row} has no response position to anchor a block (response too short)")
         replace = positions.numel() < num_anchors
-        picks = torch.multinomial(torch.ones(positions.numel()), num_anchors, replacement=replace, generator=generator)
+        weights = torch.ones(positions.numel())
+        picks = torch.multinomial(weights, num_anchors, replacement=replace, generator=row_generator)
         anchors[row] = positions[picks].sort().values
     return anchors
 
@@ -75,7 +87,4 @@ class DominoDataCollator:
     def _anchor_generator(self, input_ids: torch.Tensor) -> torch.Generator | None:
         """With `anchor_seed`, a generator seeded by it and the batch's tokens: the same batch gets the same anchors
         in any process, worker or evaluation, whatever was drawn before."""
-        if self.anchor_seed is None:
-            return None
-        digest = hashlib.sha256(input_ids.numpy().tobytes()).digest()
-        return torch.Generator().manual_seed(self.anchor_seed ^ int.from_bytes(digest[:7], "little"))
+        return None if self.anchor_seed is None else seeded_generator(self.anchor_seed, input_ids)

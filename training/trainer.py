@@ -1,20 +1,26 @@
 """DominoTrainer: `transformers.Trainer` with a frozen target (features online or from a store) and the Domino loss."""
 
+import contextlib
 import functools
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 
-from .collator import DominoDataCollator
+from .collator import DominoDataCollator, sample_anchors, seeded_generator
 from .features import target_hidden_states
 from .loss import block_labels, curriculum_lambda, domino_loss
 from .model_card import training_summary, write_model_card
 
 logger = logging.getLogger(__name__)
+
+# The folder inside a save's destination that the save is written to before its files move into place.
+PARTIAL_SAVE = ".partial-save"
 
 
 @dataclass
@@ -130,6 +136,15 @@ def _workers_ignoring_stop_signals(dataloader):
     return dataloader
 
 
+def _with_seeded_anchors(dataloader, seed: int):
+    """`dataloader`, its `DominoDataCollator` drawing anchors from `seed` and each batch instead of torch's global
+    generator."""
+    loader = _torch_dataloader(dataloader)
+    if isinstance(loader.collate_fn, DominoDataCollator):
+        loader.collate_fn = replace(loader.collate_fn, anchor_seed=seed)
+    return dataloader
+
+
 def _ignore_stop_signals(worker_init_fn, worker_id: int) -> None:
     """A DataLoader worker's start: a signal sent to the whole process group (scheduler, Ctrl-C) is the training
     process's to handle; a worker killed by it would crash the step that should save the checkpoint."""
@@ -137,6 +152,18 @@ def _ignore_stop_signals(worker_init_fn, worker_id: int) -> None:
         signal.signal(number, signal.SIG_IGN)
     if worker_init_fn is not None:
         worker_init_fn(worker_id)
+
+
+def move_into_place(partial: str, folder: str) -> None:
+    """Move the files of the save `partial` into `folder` and remove it: the weights last, and the weights they replace
+    first. At any kill, `folder` holds either no weights or complete ones, with every other file of their save."""
+    weights = [name for name in os.listdir(partial) if name.endswith(".safetensors")]
+    for name in weights:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+    for name in sorted(os.listdir(partial), key=lambda name: name in weights):
+        os.replace(os.path.join(partial, name), os.path.join(folder, name))
+    os.rmdir(partial)
 
 
 class DominoTrainer(Trainer):
@@ -167,17 +194,34 @@ class DominoTrainer(Trainer):
         finally:  # a run that raised never reached on_train_end: a later SIGTERM must not be swallowed
             self.stop_on_signal.restore_handlers()
 
+    def load_finished_run(self, checkpoint: str) -> None:
+        """The state and final weights of the run that ended at `checkpoint` (under `load_best_model_at_end`, the
+        best checkpoint's weights), as its training left them: to save its final draft again."""
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+        best = self.state.best_model_checkpoint
+        self._load_from_checkpoint(best if self.args.load_best_model_at_end and best else checkpoint)
+
     def get_train_dataloader(self):
-        return _workers_ignoring_stop_signals(super().get_train_dataloader())
+        """Trainer's, with workers that leave stop signals to training and a collator that leaves torch's global
+        generator to the model (`training_step` draws the anchors trained on): Trainer restores that generator on
+        resuming only after fetching a batch, so draws of the collator's would shift any dropout's."""
+        return _with_seeded_anchors(_workers_ignoring_stop_signals(super().get_train_dataloader()), self.args.seed)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """Trainer's, with workers that leave stop signals to training and anchors fixed by the seed and each batch
         (not drawn from the training stream): scores of successive evaluations compare."""
-        dataloader = _workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset))
-        loader = _torch_dataloader(dataloader)
-        if isinstance(loader.collate_fn, DominoDataCollator):
-            loader.collate_fn = replace(loader.collate_fn, anchor_seed=self.args.seed)
-        return dataloader
+        return _with_seeded_anchors(_workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset)),
+                                    self.args.seed)  # fmt: skip
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step, on anchors drawn from the seed, the step and each example's tokens: a run resumed in the
+        middle of an epoch trains on the blocks the uninterrupted run trained on (what a generator had drawn before
+        the step is not restored: Trainer skips the trained batches, DataLoader workers seed their own)."""
+        rows = zip(inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool())
+        generators = [seeded_generator(self.args.seed, self.state.global_step, ids[mask]) for ids, mask in rows]
+        anchors = sample_anchors(inputs["loss_mask"].cpu(), inputs["anchor_positions"].shape[1], generators)
+        inputs = {**inputs, "anchor_positions": anchors.to(inputs["anchor_positions"].device)}
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def current_lambda(self) -> float:
         return curriculum_lambda(
@@ -237,12 +281,15 @@ class DominoTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Trainer's save, plus the model card (`README.md`) and `training_summary.json` of the folder."""
-        super()._save(output_dir, state_dict)
+        """Trainer's save, plus the model card (`README.md`) and `training_summary.json` of the folder, written into
+        a folder inside it, then moved into place (`move_into_place`): a kill mid-save leaves no truncated weights."""
+        output_dir = output_dir or self.args.output_dir
+        partial = os.path.join(output_dir, PARTIAL_SAVE)
+        super()._save(partial, state_dict)
         if not self.args.should_save:  # transformers 5.24 calls _save on every process; one writes
             return
-        output_dir = output_dir or self.args.output_dir
         try:
-            write_model_card(output_dir, training=training_summary(self.args, self.state, self.data_summary))
+            write_model_card(partial, training=training_summary(self.args, self.state, self.data_summary))
         except Exception as error:  # the weights are saved; a card problem must not stop a long run
             logger.warning("could not write the model card into %s: %s", output_dir, error)
+        move_into_place(partial, output_dir)
