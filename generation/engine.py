@@ -215,18 +215,6 @@ class _Record:
         )
 
 
-def left_pad(prompts: list, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch prompts (token-id lists, or `[1, P]`/`[P]` tensors) with left padding: `input_ids`, `attention_mask`."""
-    rows = [torch.as_tensor(prompt, dtype=torch.long).flatten() for prompt in prompts]
-    width = max(row.numel() for row in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for index, row in enumerate(rows):
-        input_ids[index, width - row.numel() :] = row
-        attention_mask[index, width - row.numel() :] = 1
-    return input_ids, attention_mask
-
-
 @torch.no_grad()
 def speculative_generate(
     target: PreTrainedModel,

@@ -13,12 +13,12 @@ from domino_spec.generation.bench import (
     METHODS,
     NATIVE_METHODS,
     MethodRun,
-    prompt_token_ids,
     run_bench,
     with_baselines,
     write_results,
 )
 from domino_spec.generation.quality import score_report
+from domino_spec.targets import prompt_token_ids
 
 
 def test_bench_runs_every_method_and_writes_results(tmp_path):

@@ -6,7 +6,7 @@ from conftest import tiny_draft, tiny_target
 from huggingface_hub import ModelCard
 
 from domino_spec.training import export, model_card
-from domino_spec.training.cli import main as cli_main
+from domino_spec.cli import main as cli_main
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
 

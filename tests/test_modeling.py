@@ -622,3 +622,43 @@ def test_a_saved_config_of_a_wrongly_typed_field_is_named_on_loading(tmp_path, f
     (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ValueError, match=re.escape(f"DominoConfig.{field}={value!r} is invalid")):
         DominoDraftModel.from_pretrained(tmp_path)
+
+
+def test_the_shipped_checkpoint_runs_the_root_code():
+    """Its code files are links to the root files `save_pretrained` copies (the model file and what it imports), so
+    a change to the model can never leave the shipped copy behind."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from domino_spec import modeling_domino
+    from domino_spec.generation.demo import SHIPPED_DRAFT
+
+    model_file = Path(modeling_domino.__file__)
+    expected = {path.name for path in map(Path, [model_file, *get_relative_import_files(str(model_file))])}
+    shipped = sorted(Path(SHIPPED_DRAFT).glob("*.py"))
+    assert {path.name for path in shipped} == expected
+    for path in shipped:
+        assert path.read_bytes() == (model_file.parent / path.name).read_bytes(), path.name
+
+
+def test_a_checkpoint_of_the_older_layout_loads_its_head_and_options(tmp_path):
+    """Older folders hold the head's weights at the top level (the published names), the published config names and
+    the drafting options then saved in the config: all read, the options dropped, no weight left random."""
+    from safetensors.torch import load_file, save_file
+
+    from domino_spec.generation.demo import SHIPPED_DRAFT
+
+    draft = tiny_draft(tiny_target("qwen3"))
+    draft.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({key.removeprefix("head."): value for key, value in weights.items()}, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["emb_dim"], config["pure_draft_prefix_len"] = config.pop("residual_rank"), config.pop("first_corrected_slot")
+    config.update(head_candidate_pool=0, fused_head_step=False, gru_input_table_max_bytes=1024)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = DominoDraftModel.from_pretrained(tmp_path)
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert loaded.config.to_dict().keys().isdisjoint(["head_candidate_pool", "emb_dim", "gru_input_table_max_bytes"])
+    shipped = DominoDraftModel.from_pretrained(SHIPPED_DRAFT)  # saved in that layout
+    shipped_head = load_file(Path(SHIPPED_DRAFT) / "model.safetensors")["prefix_gru.weight_ih_l0"]
+    assert torch.equal(shipped.head.prefix_gru.weight_ih_l0, shipped_head)

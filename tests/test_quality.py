@@ -13,7 +13,7 @@ from domino_spec.generation.quality import (
     score_outputs,
     score_report,
 )
-from domino_spec.training import cli
+from domino_spec import cli
 
 # A HumanEval-style problem, written here so the tests need no dataset package.
 PROMPT = """from typing import List

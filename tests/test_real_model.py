@@ -23,8 +23,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from domino_spec.assets import load_target
-    from domino_spec.training.data import prompt_token_ids
+    from domino_spec.targets import load_target
+    from domino_spec.targets import prompt_token_ids
 
     target, tokenizer = load_target("smollm2-135m")
     draft = DominoDraftModel.from_pretrained(SHIPPED_DRAFT, dtype=torch.float32).eval()

@@ -20,7 +20,7 @@ from packaging import version
 from transformers import AutoModelForCausalLM
 
 from domino_spec import DominoDraftModel, DraftingOptions
-from domino_spec.training.cli import parse_train_arguments
+from domino_spec.cli import parse_train_arguments
 from domino_spec.training.collator import DominoDataCollator, sample_anchors
 from domino_spec.training.data import check_vocabulary, load_prompts, load_training_dataset, summarize
 from domino_spec.training.loss import (
@@ -512,7 +512,7 @@ def test_regenerated_data_records_its_target_and_settings_and_refuses_to_mix_the
 
 def test_the_draft_folder_says_which_mode_its_data_was_regenerated_in(tmp_path, tiny_target_dir):
     """Drafts are trained per mode (greedy or sampled, thinking on or off): the checkpoint records which."""
-    from domino_spec.training.cli import main
+    from domino_spec.cli import main
 
     _write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": f"question {i}?"} for i in range(6)])
     main(["generate-data", "--target", tiny_target_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--output",
@@ -539,7 +539,7 @@ def test_train_arguments_from_yaml_and_command_line(tmp_path):
 
 
 def test_resuming_picks_the_highest_complete_checkpoint(tmp_path, capsys):
-    from domino_spec.training.cli import checkpoint_to_resume
+    from domino_spec.training.checkpoints import checkpoint_to_resume
 
     argv = ["--target", "t", "--data", "d", "--output", str(tmp_path)]
     assert checkpoint_to_resume(parse_train_arguments(argv)[1]) is None  # nothing to resume yet
@@ -575,7 +575,7 @@ def test_train_arguments_from_yaml_refuse_unknown_keys_and_take_the_output_alias
 
 
 def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_fp32_weights(tmp_path):
-    from domino_spec.training.cli import DraftArguments, build_draft
+    from domino_spec.cli import DraftArguments, build_draft
 
     target = tiny_target("llama")
     tiny_draft(target, block_size=4).to(torch.bfloat16).save_pretrained(tmp_path / "draft")
@@ -588,7 +588,8 @@ def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_f
 
 
 def test_a_head_less_draft_trained_with_shift_label_false_is_servable_by_sglang(tmp_path):
-    from domino_spec.training.cli import build_draft, load_target
+    from domino_spec.cli import build_draft
+    from domino_spec.targets import load_target
     from domino_spec.training.export import sglang_problems
 
     argv = ["--target", "t", "--data", "d", "--use_domino_head", "false", "--draft_layers", "1"]
@@ -619,7 +620,7 @@ def _run(args, **kwargs):
 # the CPU (use_cpu defaults on) over gloo (`--ddp_backend gloo`). It runs the CLI as a module, the README's form:
 # `accelerate launch domino-spec` would look for a file named domino-spec in the working directory.
 TWO_PROCESSES = ("accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1")
-TWO_PROCESSES += ("--mixed_precision", "no", "--dynamo_backend", "no", "-m", "domino_spec.training.cli")
+TWO_PROCESSES += ("--mixed_precision", "no", "--dynamo_backend", "no", "-m", "domino_spec.cli")
 TRAINING_ENVIRONMENT = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -649,7 +650,7 @@ def _started_training(command: list[str], **popen) -> subprocess.Popen:
 
 
 def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tmp_path, tiny_target_dir, capsys):
-    from domino_spec.training.cli import main
+    from domino_spec.cli import main
 
     _write_jsonl(tmp_path / "data.jsonl", [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11],
                                             "response_ids": list(range(20 + i, 34 + i))} for i in range(3)])  # fmt: skip
@@ -691,7 +692,7 @@ def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(t
     resumed run trains on the blocks the uninterrupted one trained on."""
     from safetensors.torch import load_file
 
-    from domino_spec.training.cli import main
+    from domino_spec.cli import main
 
     command = ["train", *_checkpointing_train_flags(tmp_path, tiny_target_dir, records=6), "--max_steps", "5"]
     main(command + ["--output", str(tmp_path / "whole")])
@@ -704,7 +705,8 @@ def test_a_run_resumed_mid_epoch_ends_with_the_weights_of_an_uninterrupted_run(t
 
 
 def test_a_truncated_checkpoint_file_is_skipped_with_a_warning_or_refused_when_named(tmp_path, tiny_target_dir, capsys):
-    from domino_spec.training.cli import checkpoint_to_resume, main
+    from domino_spec.cli import main
+    from domino_spec.training.checkpoints import checkpoint_to_resume
 
     output = tmp_path / "draft"
     flags = [*_checkpointing_train_flags(tmp_path, tiny_target_dir, records=4), "--output", str(output)]
@@ -745,7 +747,7 @@ def test_a_truncated_checkpoint_file_is_skipped_with_a_warning_or_refused_when_n
 def test_a_final_draft_of_an_earlier_step_is_not_taken_for_the_finished_runs(tmp_path, tiny_target_dir, capsys):
     """Training on from a finished run, killed after its last checkpoint but before its final save: the folder still
     holds the earlier run's draft, which is not the draft of the run that now ends."""
-    from domino_spec.training.cli import main
+    from domino_spec.cli import main
 
     output = tmp_path / "draft"
     command = ["train", *_checkpointing_train_flags(tmp_path, tiny_target_dir, records=2), "--output", str(output)]
@@ -782,7 +784,7 @@ def test_a_save_moves_its_weights_in_last_after_removing_the_ones_they_replace(t
 
 
 def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path, tiny_target_dir):
-    from domino_spec.training.cli import main
+    from domino_spec.cli import main
 
     result = _run([DOMINO_SPEC, "export", "--format", "sglang", str(tmp_path / "runs" / "typo"), str(tmp_path / "o")])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
@@ -838,7 +840,7 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path, tiny_target
 
 def test_a_missing_asset_package_ends_in_one_line_unless_the_traceback_is_asked_for(tmp_path, monkeypatch, capsys):
     from domino_spec import assets
-    from domino_spec.training.cli import run
+    from domino_spec.cli import run
 
     monkeypatch.setattr(assets, "CACHE_DIR", str(tmp_path))  # not converted yet: its GGUF package is needed
     absent = assets.GGUFTarget("absent.gguf", "0" * 64, "org/absent", ("absent-asset==1.0",), "absent_asset")
@@ -881,7 +883,7 @@ def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):
 
 
 def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir):
-    from domino_spec.training.cli import main
+    from domino_spec.cli import main
     from domino_spec.training.features import FeatureStore
 
     data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 30 + i))} for i in range(3)]
@@ -990,7 +992,7 @@ def test_feature_store_refuses_features_beyond_fp16(tmp_path):
 
 
 def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_store(tmp_path, tiny_target_dir, capsys):
-    from domino_spec.training.cli import main
+    from domino_spec.cli import main
 
     def records(first: int) -> list[dict]:
         return [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..generation.engine import left_pad
+from ..targets import eos_token_ids, left_pad, prompt_token_ids
 from .features import target_signature
 
 logger = logging.getLogger(__name__)
@@ -155,15 +155,6 @@ def _json_record(line: str | bytes, path: str, line_number: int) -> dict:
 # ---------------------------------------------------------------------- regeneration
 
 
-def prompt_token_ids(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[int]:
-    """The target's chat template with the assistant turn opened. `thinking` sets Qwen3's `enable_thinking`."""
-    extra = {} if thinking is None else {"enable_thinking": thinking}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def finished_ids(output_path: str) -> set[str]:
     """Ids already regenerated. A line cut by a kill is removed so appending starts on a clean line; a malformed line
     before it raises `ValueError` naming it, rather than being cut away with every record after it."""
@@ -284,15 +275,6 @@ def regenerate_responses(
             progress.update(len(batch))
     progress.close()
     return written
-
-
-def eos_token_ids(target, tokenizer) -> list[int]:
-    """The ids that end a response: the target's generation config's, and the tokenizer's EOS."""
-    eos = target.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return eos
 
 
 def _until_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:

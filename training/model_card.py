@@ -17,7 +17,6 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 from .. import published_format
 from ..configuration_domino import DominoConfig
-from ..generation.bench import METHODS
 
 CARD_NAME = "README.md"
 TRAINING_SUMMARY = "training_summary.json"
@@ -316,7 +315,9 @@ def bench_settings(config: dict) -> str:
     prompts = config.get("prompts")
     if isinstance(prompts, dict) and len(set(prompts.values())) == 1:
         settings.append(f"the first {next(iter(prompts.values()))} prompts of each set")
-    methods = ", ".join(f"{name} ({what})" for name, what in METHODS.items())
+    described = config.get("method_descriptions") or {}
+    methods = ", ".join(f"{name} ({described[name]})" if name in described else name
+                        for name in config.get("methods", []))  # fmt: skip
     return (f"{', '.join(settings)}. Speedup is over plain decoding of the same prompts in the same loop "
             f"(plain-native for the native engine's methods). Methods: {methods}.")
 

@@ -11,11 +11,21 @@ import tempfile
 
 import torch
 
-from domino_spec import DominoDraftModel
+from domino_spec import DominoDraftModel, modeling_domino
 from domino_spec.assets import TARGETS
 from domino_spec.training.model_card import TRAINING_SUMMARY, main as write_card
 
 MAX_BYTES = 30 * 2**20  # the repository's budget for an embedded checkpoint
+
+
+def link_code_files(folder: str) -> None:
+    """Replace the model code `save_pretrained` copied into `folder` by symbolic links to the repository's root files:
+    the shipped checkpoint runs the code of the checkout it is in, and git holds no second copy of it."""
+    root = os.path.dirname(os.path.abspath(modeling_domino.__file__))
+    for name in os.listdir(folder):
+        if name.endswith(".py"):
+            os.remove(os.path.join(folder, name))
+            os.symlink(os.path.relpath(os.path.join(root, name), os.path.abspath(folder)), os.path.join(folder, name))
 
 
 def main() -> None:
@@ -28,6 +38,7 @@ def main() -> None:
     draft.config.target_model_name = TARGETS["smollm2-135m"].hub_id  # the card's base_model
     shutil.rmtree(args.output, ignore_errors=True)
     draft.save_pretrained(args.output)
+    link_code_files(args.output)
     summary = os.path.join(args.trained, TRAINING_SUMMARY)
     if os.path.exists(summary):
         shutil.copy(summary, args.output)

@@ -24,72 +24,27 @@ from dataclasses import dataclass, field
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_pt_utils import safe_globals
+from transformers import HfArgumentParser, set_seed
 
-from ..assets import MissingAssetError
-from ..configuration_domino import DominoConfig
-from ..modeling_domino import DominoDraftModel
-from ..published_format import (
-    CONFIG_NAME,
-    WEIGHT_FILES,
-    check_checkpoint_folder,
-    check_safetensors_file,
-    read_config_dict,
-)
-from .export import main as export_main
-from .model_card import TRAINING_SUMMARY, check_draft_folder, draft_config, read_json
-from .model_card import main as card_main
-from .trainer import DominoTrainingArguments
+from .assets import MissingAssetError
+from .configuration_domino import DominoConfig
+from .modeling_domino import DominoDraftModel
+from .targets import load_target
+from .training.checkpoints import check_resumable, checkpoint_to_resume, final_draft_problem, finished_at
+from .training.export import main as export_main
+from .training.model_card import check_draft_folder, draft_config
+from .training.model_card import main as card_main
+from .training.trainer import DominoTrainingArguments
 
 # The published Qwen3-8B draft has 5 layers for a 36-layer target; `train` scales this to other targets.
 PUBLISHED_DRAFT_LAYERS, PUBLISHED_TARGET_LAYERS = 5, 36
-# Any one of these marks a saved tokenizer; which of them a model needs depends on its tokenizer class.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_target(name_or_path: str, dtype: torch.dtype | None = None, device: str | None = None):
-    """A target model and tokenizer: a local Hugging Face folder, or an asset name of `domino_spec.assets`."""
-    from .. import assets
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # fp32 on CPU: bf16 matmuls of several tokens are much slower there.
-    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    if name_or_path in assets.TARGETS:
-        model, tokenizer = assets.load_target(name_or_path, dtype=dtype)
-    elif not os.path.isdir(name_or_path):  # the Hub is out of reach here: a name is a folder or an asset
-        raise FileNotFoundError(
-            f"target {name_or_path!r}: no such folder, and not an asset name ({', '.join(sorted(assets.TARGETS))})"
-        )
-    else:
-        check_model_folder(name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-    return model.to(device).eval(), tokenizer
-
-
-def check_model_folder(folder: str) -> None:
-    """Raise `FileNotFoundError` naming what `folder` lacks to be a saved model: transformers would otherwise report an
-    empty folder as a missing tokenizer library."""
-    names = set(os.listdir(folder))
-    missing = [f"no {CONFIG_NAME}"] if CONFIG_NAME not in names else []
-    if not names & set(WEIGHT_FILES):
-        missing.append(f"no weights ({' or '.join(WEIGHT_FILES)})")
-    if not names & set(TOKENIZER_FILES):
-        missing.append(f"no tokenizer files ({' or '.join(TOKENIZER_FILES)})")
-    if missing:
-        raise FileNotFoundError(
-            f"target {folder} holds no model: it has {', '.join(missing)}; a model folder holds all three, as "
-            "`save_pretrained` of a model and of its tokenizer writes them."
-        )
 
 
 # ---------------------------------------------------------------------- generate-data
 
 
 def generate_data(argv: list[str]) -> None:
-    from .data import load_prompts, regenerate_responses
+    from .training.data import load_prompts, regenerate_responses
 
     parser = argparse.ArgumentParser(
         prog="domino-spec generate-data",
@@ -253,10 +208,10 @@ def parse_train_arguments(
 
 
 def train(argv: list[str]) -> None:
-    from .collator import DominoDataCollator
-    from .data import generation_settings, summarize
-    from .features import FeatureStore
-    from .trainer import DominoTrainer
+    from .training.collator import DominoDataCollator
+    from .training.data import generation_settings, summarize
+    from .training.features import FeatureStore
+    from .training.trainer import DominoTrainer
 
     draft_args, training_args = parse_train_arguments(argv)
     if training_args.eval_strategy != "no" and not draft_args.eval_data:
@@ -326,132 +281,12 @@ def load_target_and_data(draft_args: DraftArguments):
 
 def load_checked_data(path: str, target, tokenizer, max_length: int):
     """The training examples of a regenerated .jsonl, checked to be tokenized for `target`."""
-    from .data import check_regenerated_by, check_vocabulary, load_training_dataset
+    from .training.data import check_regenerated_by, check_vocabulary, load_training_dataset
 
     check_regenerated_by(path, target, tokenizer)
     dataset = load_training_dataset(path, max_length=max_length)
     check_vocabulary(dataset, target.get_input_embeddings().weight.shape[0], path)
     return dataset
-
-
-def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
-    """`--resume_from_checkpoint` (a folder, or `true`: the last in output_dir); without it the last checkpoint in
-    output_dir, so that rerunning an interrupted command continues it, unless `--restart`. A folder named that is
-    incomplete or holds an unreadable file is an error; `last_complete_checkpoint` skips such folders."""
-    chosen = training_args.resume_from_checkpoint
-    if chosen is not None and chosen.lower() not in ("true", "last"):
-        if _trainer_state(chosen) is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: not a complete Trainer checkpoint (no "
-                                    f"readable {TRAINER_STATE_NAME} in it)")  # fmt: skip
-        problem = unreadable_checkpoint_file(chosen)
-        if problem is not None:
-            raise ValueError(f"--resume_from_checkpoint {chosen}: {problem}; resume from another checkpoint")
-        return chosen
-    last = last_complete_checkpoint(training_args.output_dir)
-    if chosen is not None:
-        if last is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: no complete checkpoint in "
-                                    f"{training_args.output_dir}")  # fmt: skip
-        return last
-    if last is not None and training_args.restart:
-        print(f"--restart: starting over, but {last} of an earlier run stays, and a rerun without --restart would "
-              "resume from the highest step; use another --output to keep the runs apart", file=sys.stderr)  # fmt: skip
-        return None
-    if last is not None:
-        print(f"resuming from {last} (--restart starts over)")
-    return last
-
-
-def check_resumable(checkpoint: str, draft: DominoDraftModel) -> None:
-    """Raise `ValueError` if the draft the flags built for this `--target` is not the checkpoint's: its weights would
-    not load, or would train on as another draft."""
-    saved, built = DominoConfig.from_pretrained(checkpoint), draft.config
-    # The draft's own fields, but the target's name: a checkpoint trains on whatever the target folder is called.
-    fields = sorted(set(DominoConfig.__annotations__) - {"target_model_name"})
-    conflicts = [f"{name}={getattr(built, name)!r} (the checkpoint has {getattr(saved, name)!r})"
-                 for name in fields if getattr(saved, name) != getattr(built, name)]  # fmt: skip
-    if conflicts:
-        raise ValueError(
-            f"resuming from {checkpoint}, but the draft these flags build for this --target differs: "
-            f"{'; '.join(conflicts)}. Rerun with that run's --target and shape flags, or pass --restart (or another "
-            "--output) to train this draft from step 0."
-        )
-
-
-def final_draft_problem(output_dir: str, checkpoint: str) -> str | None:
-    """What keeps `output_dir` from holding the final draft of the run that ended at `checkpoint`, or None: a missing
-    or unreadable config or weights (a save moves the weights in last, after the rest of its files), or the draft of
-    another step (an earlier run's, its final save not yet redone)."""
-    try:
-        check_checkpoint_folder(output_dir)
-        summary = read_json(output_dir, TRAINING_SUMMARY) or {}
-    except (FileNotFoundError, ValueError) as error:
-        return str(error)
-    step = _trainer_state(checkpoint)["global_step"]
-    if summary.get("global_step") != step:
-        return f"the draft in {output_dir} is not of step {step} ({TRAINING_SUMMARY}: {summary.get('global_step')})"
-    return None
-
-
-def finished_at(checkpoint: str, training_args: DominoTrainingArguments) -> bool:
-    """Whether the checkpoint reached `--max_steps`, or `--num_train_epochs` without it: the run is over, and only its
-    final draft may be left to save."""
-    state = _trainer_state(checkpoint)
-    if training_args.max_steps > 0:
-        return state["global_step"] >= training_args.max_steps
-    return (state.get("epoch") or 0) >= training_args.num_train_epochs
-
-
-def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The highest-step `checkpoint-N` folder of `output_dir` that Trainer finished writing (`trainer_state.json`
-    comes last) and can read back. A newer one, incomplete (a save cut short by a kill) or with an unreadable file,
-    is skipped with a one-line warning and left in place."""
-    if not os.path.isdir(output_dir):
-        return None
-    steps = {int(name.removeprefix("checkpoint-")): name for name in os.listdir(output_dir)
-             if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit()}  # fmt: skip
-    for step in sorted(steps, reverse=True):
-        folder = os.path.join(output_dir, steps[step])
-        if _trainer_state(folder) is None:
-            print(f"skipping {folder}: incomplete (no readable {TRAINER_STATE_NAME}; its save was cut short)",
-                  file=sys.stderr)  # fmt: skip
-        elif (problem := unreadable_checkpoint_file(folder)) is not None:
-            print(f"skipping {folder}: {problem}", file=sys.stderr)
-        else:
-            return folder
-    return None
-
-
-def unreadable_checkpoint_file(folder: str) -> str | None:
-    """The first file of the checkpoint `folder` that Trainer would fail to load on resuming, as a message naming it
-    (truncated or corrupt: a disk fault, or a kill while copying); None when all read. Checked: the weights (header
-    and tensor extents), the JSON files, and the torch files (optimizer, scheduler, RNG states)."""
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        try:
-            if name.endswith(".safetensors"):
-                check_safetensors_file(path)
-            elif name.endswith(".json"):
-                read_config_dict(path)
-        except ValueError as error:  # both name the file
-            return str(error)
-        if name.endswith((".pt", ".pth")):
-            try:
-                with safe_globals():  # as Trainer loads them; mmap reads the zip's index, not every tensor
-                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as error:  # whatever fails torch.load here fails Trainer's load of the file
-                return f"{path} is not a readable torch file (truncated or corrupt?): {error}"
-    return None
-
-
-def _trainer_state(folder: str) -> dict | None:
-    """The checkpoint's `trainer_state.json`; None unless Trainer finished saving `folder` (it writes that file last,
-    and not atomically: missing or unreadable, the save was cut short)."""
-    try:
-        with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as file:
-            return json.load(file)
-    except (OSError, ValueError):
-        return None
 
 
 def cache_features(argv: list[str]) -> None:
@@ -460,7 +295,7 @@ def cache_features(argv: list[str]) -> None:
     Takes the same flags and `--config` as `train` (the draft's tapped layers decide what is stored); `--output` is
     the store's folder.
     """
-    from .features import FeatureStore
+    from .training.features import FeatureStore
 
     draft_args, training_args = parse_train_arguments(
         argv, prog="domino-spec cache-features", description=(
@@ -528,7 +363,7 @@ def demo(argv: list[str]) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--tiny", action="store_true", help="random tiny models instead: needs no assets")
     args = parser.parse_args(argv)
-    from ..generation import demo as demos
+    from .generation import demo as demos
 
     if args.tiny:
         demos.run_tiny_demo()
@@ -537,8 +372,8 @@ def demo(argv: list[str]) -> None:
 
 
 def bench(argv: list[str]) -> None:
-    from ..generation.bench import DRAFT_OF, METHODS, run_bench, write_results
-    from ..generation.eval_sets import EVAL_SETS, eval_prompts
+    from .generation.bench import DRAFT_OF, METHODS, run_bench, write_results
+    from .generation.eval_sets import EVAL_SETS, eval_prompts
 
     parser = argparse.ArgumentParser(prog="domino-spec bench", description="Evaluation sets x decoding methods, greedy.")
     parser.add_argument("--target", default="smollm2-135m", help="target model folder or asset name")
@@ -560,7 +395,7 @@ def bench(argv: list[str]) -> None:
     )  # fmt: skip
     parser.add_argument("--output", default="runs/bench", help="folder for bench_results.{json,md} and the figure")
     args = parser.parse_args(argv)
-    from ..generation.demo import SHIPPED_DRAFT
+    from .generation.demo import SHIPPED_DRAFT
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -568,7 +403,7 @@ def bench(argv: list[str]) -> None:
         raise ValueError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     eval_sets = [name for name in args.eval_sets.split(",") if name]
     if args.quality:  # before any model loads or decodes
-        from ..generation.quality import require_code_execution
+        from .generation.quality import require_code_execution
 
         require_code_execution(args.allow_code_execution, eval_sets)
     needed = {DRAFT_OF[method] for method in methods if method in DRAFT_OF}
@@ -585,7 +420,7 @@ def bench(argv: list[str]) -> None:
     prompts = {name: eval_prompts(name, args.limit) for name in eval_sets}
     report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens)
     if args.quality:
-        from ..generation.quality import score_report
+        from .generation.quality import score_report
 
         report["quality"] = score_report(report, allow_code_execution=args.allow_code_execution)
     paths = write_results(report, args.output)
