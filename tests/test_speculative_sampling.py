@@ -45,7 +45,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from domino_spec import DraftingOptions
+from domino_spec import DraftCosts, DraftingOptions
 from domino_spec.generation import left_pad, speculative_generate
 
 NUM_TOKENS = 5  # max_new_tokens: the prefill's token, then three drafts and a bonus token if all are accepted
@@ -53,6 +53,7 @@ EOS = LIVE_TOKENS[1]  # about half the sequences end at it, most inside a block
 NUM_NATIVE_SAMPLES = 4000  # one batched call: every row is one seed's run, rows finishing at different times
 NUM_HF_SAMPLES = 1500  # one generate call per seed
 NUM_HF_STRONG_HEAD_SAMPLES = 1000  # the bad draft rejects often: its bias would show sooner
+NUM_HF_COST_AWARE_SAMPLES = 500
 NUM_DRAFT_ROWS = 4000  # drafts of one context, in one batched draft_block call
 NUM_HF_CANDIDATE_DRAWS = 3000  # get_candidates calls (batch size 1)
 NUM_HF_STOP_SAMPLES = 1500  # the stop string takes an eighth of the mass: more samples for power
@@ -310,3 +311,35 @@ def test_native_sampling_is_reproducible_with_a_generator(models):
         for _ in range(2)
     ]
     assert torch.equal(runs[0], runs[1])
+
+
+def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(models, strong_head_draft, monkeypatch):
+    """Each round proposes only the drafts its confidences say pay, a stopping rule on the draft's distributions
+    (never on a sampled token), so the output is still the target's sampling; here through generate, whose rounds
+    each choose their own length."""
+    from domino_spec import generation_domino
+    from domino_spec.drafting import choose_draft_length
+
+    target, _, prompt = models
+    lengths = []
+
+    def recording(confidence, costs):
+        lengths.append(choose_draft_length(confidence, costs))
+        return lengths[-1]
+
+    monkeypatch.setattr(generation_domino, "choose_draft_length", recording)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(1.5), TopKLogitsWarper(2)])
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
+    costs = DraftCosts(verify_seconds=(1.0, 1.7, 2.4, 3.1, 3.8), draft_seconds=0.1)
+    strong_head_draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=costs)
+    samples = []
+    try:
+        for seed in range(NUM_HF_COST_AWARE_SAMPLES):
+            torch.manual_seed(seed)
+            sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=1.5, top_k=2,
+                                        eos_token_id=EOS, pad_token_id=0, assistant_model=strong_head_draft)
+            samples += _outcomes(sequences, prompt.shape[1])
+    finally:
+        strong_head_draft.drafting_options = DraftingOptions()
+    assert len(set(lengths)) >= 2, set(lengths)  # rounds of different lengths
+    assert_distributed_as(samples, exact, "HF-path sampling with the cost-aware draft length")

@@ -1,0 +1,55 @@
+"""`optimize_for_cpu`: every linear runs each row count with the fastest layout it timed, giving eager's outputs."""
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+from torch import nn
+
+from domino_spec.generation import optimize_for_cpu, speculative_generate
+from domino_spec.generation.cpu import TUNED_ROW_COUNTS
+
+
+@pytest.fixture
+def target():
+    return tiny_target("llama")
+
+
+def _planned(model: nn.Module) -> list[nn.Linear]:
+    return [module for module in model.modules() if type(module) is nn.Linear and "forward" in module.__dict__]
+
+
+@torch.no_grad()
+def test_optimized_models_give_eager_logits_and_decode_losslessly(target):
+    draft = tiny_draft(target)
+    input_ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    eager = [target(input_ids[:, :rows]).logits for rows in (1, 3, 9, 17, 33, 40)]
+    expected = target.generate(input_ids[:, :7], max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with optimize_for_cpu(target, draft) as optimization:
+        assert len(_planned(target)) == sum(type(m) is nn.Linear for m in target.modules())  # the LM head too
+        assert len(_planned(draft)) == sum(type(m) is nn.Linear for m in draft.modules())
+        for rows, logits in zip((1, 3, 9, 17, 33, 40), eager):  # 33 and 40: past the tuned counts, eager
+            torch.testing.assert_close(target(input_ids[:, :rows]).logits, logits, rtol=1e-4, atol=1e-4)
+        output = speculative_generate(target, draft, input_ids[:, :7], max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(output.sequences, expected)
+        for plan in optimization.plans.values():
+            assert set(plan) == set(TUNED_ROW_COUNTS) and set(plan.values()) <= {"linear", "transposed", "onednn"}
+    assert not _planned(target) and not _planned(draft)  # restored on leaving the block
+
+
+def test_gradients_take_the_eager_path(target):
+    """Training sees the original weights, whatever the plan: the extra layouts hold no gradient."""
+    optimization = optimize_for_cpu(target)
+    head = target.get_output_embeddings()
+    hidden = torch.randn(3, head.in_features, requires_grad=True)
+    head(hidden).sum().backward()
+    assert hidden.grad is not None
+    optimization.restore()
+
+
+def test_a_model_off_the_cpu_is_refused(target):
+    with torch.device("meta"):
+        on_meta = tiny_target("llama")
+    with pytest.raises(ValueError, match="optimize_for_cpu prepares models on the CPU, but LlamaForCausalLM has "
+                                         "parameters on meta"):
+        optimize_for_cpu(target, on_meta)
+    assert not _planned(target)  # nothing changed before the refusal

@@ -1,0 +1,78 @@
+"""The cost-aware draft length (`drafting.choose_draft_length`) and the drafting options."""
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+
+from domino_spec import DraftCosts, DraftingOptions
+from domino_spec.drafting import choose_draft_length, measure_draft_costs
+from domino_spec.generation import speculative_generate
+
+# A CPU-like round: verifying costs more with every draft, a drafting round a fifth of a decode step.
+STEEP = DraftCosts(verify_seconds=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6), draft_seconds=0.2)
+
+
+def test_drafts_are_added_while_they_raise_the_expected_tokens_per_second():
+    # 0.9 each: expected tokens 1, 1.9, 2.71, 3.44, 4.10 over 1.2, 1.3, 1.4, 1.5, 1.6 seconds: rising all along.
+    assert choose_draft_length(torch.full((1, 4), 0.9), STEEP) == 4
+    # 0.5 then nothing: 1.5 / 1.3 beats 1 / 1.2, but 1.5 + 0.05 over 1.4 does not beat 1.5 / 1.3.
+    assert choose_draft_length(torch.tensor([[0.5, 0.1, 0.9, 0.9]]), STEEP) == 1
+    assert choose_draft_length(torch.tensor([[0.05, 0.9, 0.9, 0.9]]), STEEP) == 0  # 1.05 / 1.3 < 1 / 1.2
+    flat = DraftCosts(verify_seconds=(1.0,) * 7, draft_seconds=0.2)
+    assert choose_draft_length(torch.tensor([[0.01, 0.01]]), flat) == 2  # a free draft always pays
+
+
+def test_every_row_of_a_batch_counts():
+    # Rows reaching draft 1: 0.05 + 0.9 = 0.95 over 2 rows: (2 + 0.95) / 1.3 > 2 / 1.2.
+    assert choose_draft_length(torch.tensor([[0.05, 0.0], [0.9, 0.0]]), STEEP) == 1
+    assert choose_draft_length(torch.tensor([[0.05, 0.0], [0.05, 0.0]]), STEEP) == 0
+
+
+def test_a_draft_is_verified_whatever_the_confidences_after_it():
+    """A stopping rule: whether draft i is verified depends on drafts 1..i only, which keeps sampling exact."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        confidence = torch.rand(3, 6, generator=generator)
+        length = choose_draft_length(confidence, STEEP)
+        changed = confidence.clone()
+        changed[:, length + 1 :] = torch.rand(3, max(6 - length - 1, 0), generator=generator)
+        assert choose_draft_length(changed, STEEP) == length
+
+
+def test_a_noisy_dip_in_the_verify_curve_does_not_stop_drafting_early():
+    dipped = DraftCosts(verify_seconds=(1.0, 1.3, 1.1, 1.3, 1.4), draft_seconds=0.2)
+    assert choose_draft_length(torch.full((1, 4), 0.99), dipped) == 4
+
+
+def test_draft_costs_and_options_refuse_bad_values():
+    with pytest.raises(ValueError, match="DraftCosts needs verify_seconds"):
+        DraftCosts(verify_seconds=(1.0, 0.0), draft_seconds=0.1)
+    with pytest.raises(ValueError, match="draft_length='some' is invalid"):
+        DraftingOptions(draft_length="some")
+
+
+def test_measured_costs_cover_every_draft_count_and_are_measured_once():
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    costs = measure_draft_costs(target, draft)
+    assert len(costs.verify_seconds) == draft.config.num_draft_tokens + 1 and costs.draft_seconds > 0
+    assert measure_draft_costs(target, draft) is costs
+
+
+def test_greedy_decoding_with_the_cost_aware_length_is_lossless_and_verifies_fewer_drafts():
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    with torch.no_grad():
+        draft.head.embed_proj[2].weight.mul_(50.0)  # confident drafts: some rounds verify more than others
+    drafts_per_round = {"cost": [], "full": []}
+    for seed in range(6):
+        input_ids = torch.randint(0, 100, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+        expected = target.generate(input_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        for draft_length, per_round in drafts_per_round.items():
+            draft.drafting_options = DraftingOptions(draft_length=draft_length, draft_costs=STEEP)
+            output = speculative_generate(target, draft, input_ids, max_new_tokens=20, eos_token_id=[])
+            assert torch.equal(output.sequences, expected)
+            hf = target.generate(input_ids, max_new_tokens=20, do_sample=False, pad_token_id=0, assistant_model=draft)
+            assert torch.equal(hf, expected)
+            per_round.append(output.drafts_verified / output.num_rounds)
+    assert sum(drafts_per_round["cost"]) < sum(drafts_per_round["full"])
