@@ -1,16 +1,20 @@
 """What a Domino drafting round costs next to the target's own decode and verify passes.
 
-Times, at a context of `--context` tokens already in both KV caches (median over `--repeats` after warmup):
+Times, at a context of `--context` tokens already in both KV caches (median over `--repeats` after warmup), the terms
+of the cost model (S = the block's drafts, `num_draft_tokens`):
 
 - target decode: one target forward of 1 token (plain autoregressive decoding, per token);
-- target verify: one target forward of block_size + 1 tokens with hidden states (anchor + drafts);
-- draft context update: `extend_context` with the features of block_size + 1 new tokens (the most a round accepts);
-- draft backbone: one parallel pass over `[anchor, MASK...]` plus the target's LM head on its hidden states;
-- draft head loop: the greedy Domino head over the block (a GRU step and a low-rank map per slot), as
-  `draft_block` runs it for greedy drafting;
+- target verify of k: one target forward of the anchor and k drafts with hidden states, for every k = 0..S
+  (`target_verify_k`, the cost curve a cost-aware draft length weighs); `target_verify` is the whole block, k = S;
+- draft context update: `extend_context` with the features of S + 1 new tokens (the most a round commits);
+- draft backbone: `block_logits`, one parallel pass over `[anchor, MASK...]` plus the target's LM head;
+- draft head loop: the Domino head's greedy slot loop over the block (`draft.head.draft` on the backbone's output: a
+  GRU step and a low-rank map per slot), with `--head-pool` as `DraftingOptions(candidate_pool=...)`;
 - draft argmax: plain argmax of the base logits, the selection a DFlash draft (no head) pays anyway;
 - draft round: `draft_block` appending those new features: context update + backbone + head loop.
 
+On CPU, target and draft first go through `optimize_for_cpu` (every `nn.Linear` runs the fastest of three weight
+layouts per row count), as a speculative decode on CPU should; `--no-cpu-optimization` times eager `nn.Linear`.
 With `--compile`, the backbone, head loop and round are timed again after `draft.compile_drafting()` (keys
 `*_compiled`; on CUDA with the default mode the head loop runs as one captured CUDA graph).
 
@@ -22,59 +26,45 @@ Usage:
     python benchmarks/draft_cost.py --target qwen3-8b-shapes --device cuda --context 2048 --compile --output 8b.json
     python benchmarks/draft_cost.py --target /path/to/Qwen3-8B --draft-layers 5 --block-size 16
 
-Named targets are built with random weights from their config (`AutoModelForCausalLM.from_config`): timing
-depends on shapes, not on weights.
+`--target` is what `targets.load_target` takes: a local model folder, an asset name, or a shape preset (random
+weights of a real model's shapes, built where they run: timing depends on shapes, not on weights).
 """
 
 import argparse
-import inspect
 import json
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from domino_spec import DominoContextCache, DominoDraftModel
+from domino_spec.drafting import DraftingOptions
+from domino_spec.generation.cpu import CPUOptimization, optimize_for_cpu
+from domino_spec.generation.engine import DeviceClock
+from domino_spec.head_domino import greedy_head
 from domino_spec.head_step_triton import triton
+from domino_spec.targets import SHAPE_PRESETS, default_device, default_dtype, load_target
+from domino_spec.transformers_compat import cache_keyword, new_dynamic_cache
 
-# Layer shapes of real targets (random weights): `<name>-shapes` times what the named model would cost.
-PRESETS = {
-    "tiny": dict(
-        model_type="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    ),
-    "qwen3-0.6b-shapes": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=True,
-    ),
-    "qwen3-4b-shapes": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=True,
-    ),
-    "qwen3-8b-shapes": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=False,
-    ),
-}  # fmt: skip
 TAUS = (2, 3, 4, 6, 8)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # compile_drafting's
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="tiny", help=f"a local HF model folder, or one of {sorted(PRESETS)}")
+    parser.add_argument(
+        "--target", default="tiny", help=f"a local model folder, an asset, or one of {sorted(SHAPE_PRESETS)}"
+    )
     parser.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers (published: 5)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per drafted block (published: 16)")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in the KV caches")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bfloat16 on GPU, else float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bfloat16 on GPU, else fp32")
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per measurement (the median is kept)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before each measurement")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
@@ -82,58 +72,41 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=Path("draft_cost.json"), help="results JSON (+ .md beside it)")
     parser.add_argument("--compile", action="store_true", help="also time drafting after draft.compile_drafting()")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead")
-    parser.add_argument("--head-pool", type=int, default=0, help="config.head_candidate_pool (0: whole vocabulary)")
-    args = parser.parse_args()
+    parser.add_argument("--head-pool", type=int, default=0, help="DraftingOptions.candidate_pool (0: whole vocabulary)")
+    parser.add_argument(
+        "--no-cpu-optimization", dest="cpu_optimization", action="store_false",
+        help="on CPU, time eager nn.Linear instead of preparing both models with optimize_for_cpu",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
     check_arguments(parser, args)
+    args.cpu_optimization = args.cpu_optimization and args.device == "cpu"  # what the results record: applied or not
     return args
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Argument checks shared with `gpu_check.py`."""
+    """Argument checks shared with `gpu_check.py`; resolves `--dtype auto` to the dtype `load_target` would pick."""
     if args.context <= args.block_size:
         parser.error(
-            f"--context ({args.context}) must exceed --block-size ({args.block_size}): the verify pass and the "
-            "draft's context update reuse its last block_size + 1 tokens"
+            f"--context ({args.context}) must exceed --block-size ({args.block_size}): the verify passes and the "
+            "draft's context update reuse its last tokens"
         )
+    if args.dtype == "auto":
+        args.dtype = str(default_dtype(args.device)).removeprefix("torch.")
 
 
-# ---------------------------------------------------------------------- models
-
-
-def load_target(name: str, dtype: torch.dtype, device: str) -> transformers.PreTrainedModel:
-    """A local model folder, or a named preset built with random weights directly on `device`."""
-    if os.path.isdir(name):
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
-    if name not in PRESETS:
-        raise ValueError(f"--target {name!r} is neither a local model folder nor one of {sorted(PRESETS)}")
-    fields = dict(PRESETS[name])
-    config = AutoConfig.for_model(fields.pop("model_type"), max_position_embeddings=40960, **fields)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-
-
-def cache_keyword(model: transformers.PreTrainedModel) -> str:
-    """The forward's KV-cache argument: `cache` from transformers 5.24 (which deprecates `past_key_values`)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
+# ---------------------------------------------------------------------- timing
 
 
 def median_ms(
-    run: Callable[[], object], device: str, repeats: int, warmup: int, reset: Callable[[], None] | None = None
+    run: Callable[[], object], clock: DeviceClock, repeats: int, warmup: int, reset: Callable[[], None] | None = None
 ) -> float:
     """Median wall time of `run()` in milliseconds; `reset()` (untimed) restores the caches `run` grew."""
     times = []
     for index in range(warmup + repeats):
-        synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         run()
-        synchronize(device)
         if index >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         if reset is not None:
             reset()
     return 1000 * statistics.median(times)
@@ -146,16 +119,17 @@ class Timer:
     """
 
     def __init__(self, device: str, repeats: int, warmup: int, verbose: bool = True):
-        self.device, self.repeats, self.warmup, self.verbose = device, repeats, max(warmup, 1), verbose
-        self.started = time.perf_counter()
+        self.clock = DeviceClock(torch.device(device))
+        self.repeats, self.warmup, self.verbose = repeats, max(warmup, 1), verbose
+        self.started = self.clock()
 
     def log(self, message: str) -> None:
         if self.verbose:
-            print(f"[{time.perf_counter() - self.started:7.1f}s] {message}", flush=True)
+            print(f"[{self.clock() - self.started:7.1f}s] {message}", flush=True)
 
     def __call__(self, name: str, run: Callable[[], object], reset: Callable[[], None] | None = None) -> float:
-        first = median_ms(run, self.device, repeats=1, warmup=0, reset=reset)
-        ms = median_ms(run, self.device, self.repeats, self.warmup - 1, reset)
+        first = median_ms(run, self.clock, repeats=1, warmup=0, reset=reset)
+        ms = median_ms(run, self.clock, self.repeats, self.warmup - 1, reset)
         self.log(f"{name}: {ms:.3f} ms (first call {first:.1f} ms)")
         return ms
 
@@ -163,29 +137,40 @@ class Timer:
 # ---------------------------------------------------------------------- measurements
 
 
-def measure_target(target, context_ids: torch.Tensor, block_size: int, time_it: Callable) -> tuple[dict, tuple]:
-    """Decode (1 token) and verify (block_size + 1 tokens) on a prefilled cache; also returns the prefill output."""
+def measure_target(
+    target, context_ids: torch.Tensor, num_draft_tokens: int, time_it: Callable
+) -> tuple[dict, transformers.utils.ModelOutput]:
+    """Decode (1 token) and verify passes over the anchor and k drafts for k = 0..`num_draft_tokens`, on a prefilled
+    cache: `target_decode`, the curve `target_verify_k` (a list over k) and `target_verify` (its last entry, the
+    whole block). Also returns the prefill output."""
     # Prefill once, then time steps on top of the cache, cropping what each step appended.
-    target_cache = DynamicCache(config=target.config)
+    target_cache = new_dynamic_cache(target.config)
     cache_argument = {cache_keyword(target): target_cache}
 
     def target_step(input_ids: torch.Tensor, **kwargs):
         return target(input_ids, **cache_argument, **kwargs)
 
+    def verify_ms(num_drafts: int) -> float:
+        verify_ids = context_ids[:, -(num_drafts + 1) :]  # any tokens cost the same
+        return time_it(
+            f"target_verify_k{num_drafts}",
+            lambda: target_step(verify_ids, output_hidden_states=True),
+            lambda: target_cache.crop(-(num_drafts + 1)),  # crop(-n) drops the last n positions
+        )
+
     prefill = target_step(context_ids, output_hidden_states=True, logits_to_keep=1)  # no [T, V] logits
     next_token = prefill.logits[:, -1:].argmax(dim=-1)  # [1, 1]
-    verify_ids = context_ids[:, -(block_size + 1) :]  # any block_size + 1 tokens cost the same
-    timings = {
-        # crop(-n) drops the last n positions (a positive n is an absolute length before 5.18, an error after).
-        "target_decode": time_it("target_decode", lambda: target_step(next_token), lambda: target_cache.crop(-1)),
-        "target_verify": time_it(
-            "target_verify",
-            lambda: target_step(verify_ids, output_hidden_states=True),
-            lambda: target_cache.crop(-(block_size + 1)),
-        ),
-    }
+    decode = time_it("target_decode", lambda: target_step(next_token), lambda: target_cache.crop(-1))
+    timings = {"target_decode": decode}
+    timings["target_verify_k"] = [verify_ms(num_drafts) for num_drafts in range(num_draft_tokens + 1)]
+    timings["target_verify"] = timings["target_verify_k"][-1]
     assert target_cache.get_seq_length() == context_ids.shape[1], "a reset missed a crop"
     return timings, prefill
+
+
+def head_loop(draft: DominoDraftModel) -> Callable[..., tuple]:
+    """The greedy head `draft_block` runs: compiled after `draft.compile_drafting()`, else eager."""
+    return draft.__dict__["_compiled_drafting"].greedy_head if draft.is_drafting_compiled else greedy_head
 
 
 def measure_draft(
@@ -193,47 +178,42 @@ def measure_draft(
     target,
     prefill,
     time_it: Callable,
+    options: DraftingOptions = DraftingOptions(),
     suffix: str = "",
     shared: bool = True,
     drafted: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Backbone, head loop and a whole `draft_block` round, with the prefill's context cached.
+    """Backbone (`block_logits`), head loop (`draft.head.draft`) and a whole `draft_block` round under `options`,
+    with the prefill's context cached.
 
-    Backbone and head loop go through what `draft_block` runs (compiled after `draft.compile_drafting()`); `suffix`
-    names the variant in the keys (e.g. `draft_head_loop_compiled`). With `shared`, also the pieces no variant
-    changes: the context update and argmax of the base logits. With `drafted`, the tokens of one round land in it
-    under `suffix`, to compare variants that must draft the same tokens.
+    All three run what `draft_block` runs (compiled after `draft.compile_drafting()`); `suffix` names the variant in
+    the keys (e.g. `draft_head_loop_compiled`). With `shared`, also the pieces no variant changes: the context update
+    and argmax of the base logits. With `drafted`, the tokens of one round land in it under `suffix`, to compare
+    variants that must draft the same tokens.
     """
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     features = draft.fuse_target_hidden_states(prefill.hidden_states)  # [1, T, n_layers * D]
-    context_length, block_size, device = features.shape[1], draft.config.block_size, features.device
+    context_length, committed, device = features.shape[1], draft.config.num_draft_tokens + 1, features.device
     draft_cache = DominoContextCache()
-    positions = torch.arange(context_length, device=device)[None]
-    draft.extend_context(draft_cache, features, positions)
-    context = list(zip(draft_cache.keys, draft_cache.values))
-    # A round's accepted tokens; their values and positions do not change the cost.
-    new_features = features[:, -(block_size + 1) :]
-    new_positions = context_length + torch.arange(block_size + 1, device=device)[None]
+    draft.extend_context(draft_cache, features, torch.arange(context_length, device=device)[None])
+    # A round's committed tokens; their values and positions do not change the cost.
+    new_features = features[:, -committed:]
+    new_positions = context_length + torch.arange(committed, device=device)[None]
     anchor = prefill.logits[:, -1].argmax(dim=-1)  # [1]: the target's next token, right after the context
     anchor_position = torch.tensor([context_length], device=device)
-    block_ids = torch.full((1, block_size), draft.config.mask_token_id, device=device)
-    block_ids[:, 0] = anchor
-    block_positions = anchor_position[:, None] + torch.arange(block_size, device=device)
 
     def backbone():
-        """One parallel pass over the block, then the target's LM head: the base logits of every slot."""
-        block_embeds = embed_tokens(block_ids)
-        hidden = draft._drafting_backbone()(block_embeds, block_positions, context)
-        draft_hidden = draft._draft_slots(hidden)  # [1, S, D]
-        return block_embeds, draft_hidden, lm_head(draft_hidden.to(lm_head.weight.dtype)).float()  # [1, S, V]
+        return draft.block_logits(anchor, anchor_position, draft_cache, embed_tokens, lm_head)
 
     def draft_round():
-        return draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_positions)
+        return draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features,
+                                 new_positions, options=options)  # fmt: skip
 
     def crop_new_context():
-        draft_cache.crop(-(block_size + 1))
+        draft_cache.crop(-committed)
 
-    block_embeds, draft_hidden, base_logits = backbone()
+    block = backbone()
+    greedy = head_loop(draft)
     timings = {}
     if shared:
         timings["draft_context_update"] = time_it(
@@ -241,12 +221,12 @@ def measure_draft(
             lambda: draft.extend_context(draft_cache, new_features, new_positions),
             crop_new_context,
         )
-        timings["draft_argmax"] = time_it("draft_argmax", lambda: base_logits.argmax(dim=-1))
+        timings["draft_argmax"] = time_it("draft_argmax", lambda: block.base_logits.argmax(dim=-1))
     timings |= {
         f"draft_backbone{suffix}": time_it(f"draft_backbone{suffix}", backbone),
         f"draft_head_loop{suffix}": time_it(
             f"draft_head_loop{suffix}",
-            lambda: draft._greedy_head(base_logits, draft_hidden, block_embeds[:, 0], embed_tokens),
+            lambda: draft.head.draft(*block, embed_tokens, draft.vocab, options, greedy=greedy),
         ),
         f"draft_round{suffix}": time_it(f"draft_round{suffix}", draft_round, crop_new_context),
     }
@@ -257,27 +237,29 @@ def measure_draft(
     return timings
 
 
-def measure_compiled(draft: DominoDraftModel, target, prefill, time_it: Callable, mode: str) -> dict[str, float]:
+def measure_compiled(
+    draft: DominoDraftModel, target, prefill, time_it: Callable, mode: str, options: DraftingOptions
+) -> dict[str, float]:
     """`measure_draft` after `draft.compile_drafting(mode)` (keys `*_compiled`); leaves the draft eager again."""
     draft.compile_drafting(mode)
     try:
-        return measure_draft(draft, target, prefill, time_it, suffix="_compiled", shared=False)
+        return measure_draft(draft, target, prefill, time_it, options, suffix="_compiled", shared=False)
     finally:
         draft.compile_drafting(None)
 
 
 @torch.no_grad()  # what draft_block runs under (not inference_mode, which CUDA-graph capture handles less well)
-def measure(
-    target, draft: DominoDraftModel, args: argparse.Namespace, time_it: Callable | None = None
-) -> dict[str, float]:
-    """Milliseconds of each piece of a speculative round, with `args.context` tokens already cached."""
+def measure(target, draft: DominoDraftModel, args: argparse.Namespace, time_it: Callable | None = None) -> dict:
+    """Milliseconds of each piece of a speculative round, with `args.context` tokens already cached (floats, and the
+    verify curve `target_verify_k`, a list)."""
     time_it = time_it or Timer(args.device, args.repeats, args.warmup, verbose=False)
     generator = torch.Generator().manual_seed(args.seed)
     context_ids = torch.randint(0, draft.config.vocab_size, (1, args.context), generator=generator)
-    timings, prefill = measure_target(target, context_ids.to(args.device), args.block_size, time_it)
-    timings |= measure_draft(draft, target, prefill, time_it)
+    options = DraftingOptions(candidate_pool=args.head_pool)
+    timings, prefill = measure_target(target, context_ids.to(args.device), draft.config.num_draft_tokens, time_it)
+    timings |= measure_draft(draft, target, prefill, time_it, options)
     if args.compile:
-        timings |= measure_compiled(draft, target, prefill, time_it, args.compile_mode)
+        timings |= measure_compiled(draft, target, prefill, time_it, args.compile_mode, options)
     return timings
 
 
@@ -304,15 +286,23 @@ def derive(
 
 
 def build_models(
-    target_name: str, dtype: torch.dtype, device: str, draft_layers: int, block_size: int, head_pool: int = 0
+    target_name: str, dtype: torch.dtype, device: str, draft_layers: int, block_size: int
 ) -> tuple[transformers.PreTrainedModel, DominoDraftModel]:
-    """The target (`load_target`) and a random draft matched to it, both built directly on `device`."""
-    target = load_target(target_name, dtype, device)
+    """The target (`targets.load_target`) and a random draft matched to it, both built directly on `device`."""
+    target, _ = load_target(target_name, dtype, device)
     with torch.device(device):  # initialising ~1B draft parameters on the CPU would take longer than the GPU run
-        draft = DominoDraftModel.from_target(
-            target, num_hidden_layers=draft_layers, block_size=block_size, head_candidate_pool=head_pool
-        )
+        draft = DominoDraftModel.from_target(target, num_hidden_layers=draft_layers, block_size=block_size)
     return target, draft.eval()
+
+
+def cpu_optimization_summary(optimization: CPUOptimization | None) -> dict | None:
+    """What `optimize_for_cpu` chose, for the results: the extra memory, and per weight shape the layout per row
+    count (None: eager `nn.Linear`)."""
+    if optimization is None:
+        return None
+    plans = {f"{out}x{inp} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}": plan
+             for (out, inp, dtype, bias), plan in optimization.plans.items()}  # fmt: skip
+    return {"extra_mib": round(optimization.extra_bytes / 2**20, 1), "plans": plans}
 
 
 # ---------------------------------------------------------------------- reporting
@@ -352,6 +342,27 @@ def speedup_table(results: dict) -> list[str]:
     return [header, "|---:|" + "---:|" * len(columns), *rows]
 
 
+def piece_table(timings: dict) -> list[str]:
+    """Markdown rows of the timed pieces (the verify curve has a table of its own, `verify_curve_table`)."""
+    rows = (f"| {name} | {ms:.3f} |" for name, ms in timings.items() if name != "target_verify_k")
+    return ["| piece | median ms |", "|---|---:|", *rows]
+
+
+def verify_curve_table(timings: dict) -> list[str]:
+    """Markdown rows of the verify cost per number of drafts k, also in decode steps."""
+    decode = timings["target_decode"]
+    rows = (f"| {k} | {ms:.3f} | {ms / decode:.2f} |" for k, ms in enumerate(timings["target_verify_k"]))
+    return ["| drafts k | verify ms | / decode |", "|---:|---:|---:|", *rows]
+
+
+def linear_layers_line(settings: dict) -> str:
+    if settings["device"] != "cpu":
+        return "Linear layers: eager `nn.Linear` (`optimize_for_cpu` is for CPUs)."
+    if settings["cpu_optimization"]:
+        return "Linear layers: `optimize_for_cpu` (the fastest of three weight layouts per row count)."
+    return "Linear layers: eager `nn.Linear` (`--no-cpu-optimization`)."
+
+
 def markdown(results: dict) -> str:
     settings, timings = results["settings"], results["timings_ms"]
     lines = [
@@ -360,9 +371,13 @@ def markdown(results: dict) -> str:
         "",
         environment_line(results["environment"]),
         "",
-        "| piece | median ms |",
-        "|---|---:|",
-        *(f"| {name} | {ms:.3f} |" for name, ms in timings.items()),
+        linear_layers_line(settings),
+        "",
+        *piece_table(timings),
+        "",
+        "Verify pass over the anchor and k drafts (`target_verify_k`):",
+        "",
+        *verify_curve_table(timings),
         "",
         "| ratio | value |",
         "|---|---:|",
@@ -376,11 +391,10 @@ def markdown(results: dict) -> str:
 
 
 def model_summary(target, draft: DominoDraftModel) -> dict[str, int]:
-    head_parameters = sum(p.numel() for n, p in draft.named_parameters() if n.startswith(("prefix_gru", "embed_proj")))
     return {
         "target_parameters": target.num_parameters(),
         "draft_parameters": draft.num_parameters(),
-        "head_parameters": head_parameters,
+        "head_parameters": sum(p.numel() for p in draft.head.parameters()) if draft.head is not None else 0,
         "num_draft_tokens": draft.config.num_draft_tokens,
         "max_tau": draft.config.num_draft_tokens + 1,  # all drafts accepted, plus the target's own token
     }
@@ -393,17 +407,14 @@ def write_results(results: dict, report: str, output: Path) -> None:
     output.with_suffix(".md").write_text(report)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores avoids OpenMP spin stalls
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    target, draft = build_models(
-        args.target, DTYPES[args.dtype], args.device, args.draft_layers, args.block_size, args.head_pool
-    )
+    target, draft = build_models(args.target, DTYPES[args.dtype], args.device, args.draft_layers, args.block_size)
     model = model_summary(target, draft)
+    optimization = optimize_for_cpu(target, draft) if args.cpu_optimization else None
 
     timings = measure(target, draft, args, Timer(args.device, args.repeats, args.warmup))
     ratios, speedup = derive(timings, model["max_tau"])
@@ -415,6 +426,7 @@ def main() -> None:
         "environment": environment(args.device),
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "model": model,
+        "cpu_optimization": cpu_optimization_summary(optimization),
         "timings_ms": timings,
         "ratios": ratios,
         **speedups,
@@ -423,6 +435,7 @@ def main() -> None:
     print(report)
     write_results(results, report, args.output)
     print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
+    return results
 
 
 if __name__ == "__main__":

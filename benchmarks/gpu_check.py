@@ -1,4 +1,4 @@
-"""GPU check for issue 7, "Draft cost near the floor": is a Domino drafting round cheap next to a verify pass?
+"""GPU check of the draft cost: is a Domino drafting round cheap next to a verify pass?
 
 One command on one GPU (on an H200 it took 44 s, most of it compilation; results in BENCHMARKS.md):
 
@@ -11,16 +11,18 @@ $OUT/gpu_check.json`, then copy them to `benchmarks/results/`. A CPU smoke run a
 
 With random weights at Qwen3-8B shapes (target: 36 layers, hidden 4096, vocabulary 151936; draft: 5 layers, block 16;
 bf16) and `--context` tokens in both KV caches, it times, with `draft_cost.py`'s functions: the target's decode step
-and verify pass (block + 1 = 17 tokens), the draft's context update, backbone, greedy head loop, argmax of the base
-logits (what a DFlash draft pays anyway) and whole round, eager and after `draft.compile_drafting()` (the head loop
-captured in a CUDA graph), for each head candidate pool in `--head-pools` (0: whole vocabulary), and for each pool
-with `config.fused_head_step` (one Triton kernel per slot; CUDA with Triton only, `--no-fused` skips it).
+and verify passes over the anchor and k drafts for k = 0..16 (`target_verify_k`; `target_verify` is the whole
+block, 17 tokens), the draft's context update, backbone, greedy head loop, argmax of the base logits (what a DFlash
+draft pays anyway) and whole round, eager and after `draft.compile_drafting()` (the head loop captured in a CUDA
+graph), for each head candidate pool in `--head-pools` (`DraftingOptions(candidate_pool=...)`; 0: whole
+vocabulary), and for each pool with the fused head step (`DraftingOptions(fused_step=True)`: one Triton kernel per
+slot; CUDA with Triton only, `--no-fused` skips it).
 
 Each compiled or fused variant's tokens of one round are compared with those of the eager, unfused loop with the same
 pool from the same state (in bf16, fused arithmetic may flip near-ties of a random-weight draft; drafts are verified,
 so this never changes outputs).
 It prints the speedup bound tau * t_decode / (t_draft_round + t_verify) at tau = 4, 6, 8, 10 and pass/fail against the
-issue's targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. With `--profile-head` it also
+draft-cost targets: head loop <= 5% of a draft round, draft round <= 15% of a verify pass. With `--profile-head` it also
 records where each variant's head loop spends its time: the kernels (operators on CPU) of a few calls, by device time,
 so a head over its share shows whether the slots or the per-block setup (top-K, gate projection, spreading the pool's
 logits) cost. The fused kernel's launch config is autotuned in the warmup runs; the eager picks land in
@@ -42,28 +44,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits b
 import draft_cost  # noqa: E402
 
 from domino_spec import head_step_triton  # noqa: E402
+from domino_spec.drafting import DraftingOptions  # noqa: E402
+from domino_spec.generation.engine import DeviceClock  # noqa: E402
+from domino_spec.targets import SHAPE_PRESETS, default_device  # noqa: E402
 
 TAUS = (4, 6, 8, 10)
 PROFILED_CALLS, PROFILED_KERNELS = 5, 8  # --profile-head: head loop calls profiled, kernels kept per variant
-# Issue 7's targets: ratio name in `draft_cost.derive` -> the most it may be.
+# Draft-cost targets, what a draft near the cost floor meets: ratio name in `draft_cost.derive` -> the most it may be.
 TARGETS = {"head_loop_share_of_draft_round": 0.05, "draft_round_over_verify": 0.15}
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="qwen3-8b-shapes", help=f"one of {sorted(draft_cost.PRESETS)}, or a folder")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--target", default="qwen3-8b-shapes", help=f"one of {sorted(SHAPE_PRESETS)}, or a folder")
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--dtype", choices=["auto", *draft_cost.DTYPES], default="auto", help="auto: bf16 on GPU")
     parser.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers (published: 5)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per drafted block (published: 16)")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in the KV caches")
-    parser.add_argument("--head-pools", type=int, nargs="+", default=[0, 64], help="head_candidate_pool values")
+    parser.add_argument("--head-pools", type=int, nargs="+", default=[0, 64], help="candidate_pool values")
     parser.add_argument(
         "--gru-input-table-mib",
         type=int,
         default=None,
-        help="config.gru_input_table_max_bytes in MiB (default 256: at Qwen3-8B shapes the 890 MiB table is skipped)",
+        help="DraftingOptions.gate_table_max_bytes in MiB (default 256: at Qwen3-8B shapes the 890 MiB table is "
+        "skipped)",
     )
     parser.add_argument(
         "--no-fused", dest="fused_head_step", action="store_false", help="skip the fused head step (Triton) variants"
@@ -80,8 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="results JSON (+ .md beside it)")
     args = parser.parse_args(argv)
     draft_cost.check_arguments(parser, args)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     return args
 
 
@@ -89,6 +93,12 @@ def head_variants(args: argparse.Namespace) -> list[tuple[int, bool]]:
     """`(pool, fused)` per head variant: each pool unfused, then each pool fused where the Triton kernel runs."""
     fused = args.fused_head_step and head_step_triton.kernel_runs_on(torch.device(args.device))
     return [(pool, False) for pool in args.head_pools] + [(pool, True) for pool in args.head_pools if pool and fused]
+
+
+def drafting_options(args: argparse.Namespace, pool: int = 0, fused: bool = False) -> DraftingOptions:
+    """The `DraftingOptions` of a head variant, with `--gru-input-table-mib`."""
+    table = {} if args.gru_input_table_mib is None else {"gate_table_max_bytes": args.gru_input_table_mib * 2**20}
+    return DraftingOptions(candidate_pool=pool, fused_step=fused, **table)
 
 
 def variant_suffix(pool: int, fused: bool, compiled: bool) -> str:
@@ -111,19 +121,19 @@ class Timer(draft_cost.Timer):
         ms = super().__call__(name, run, reset)
         if self.profile_head and name.startswith("draft_head_loop"):
             try:  # the timing stands even where the profiler cannot run
-                self.head_kernels[variant_name(name.removeprefix("draft_head_loop"))] = kernel_times(run, self.device)
+                self.head_kernels[variant_name(name.removeprefix("draft_head_loop"))] = kernel_times(run, self.clock)
             except Exception as error:  # noqa: BLE001
                 self.log(f"profiling {name} failed: {type(error).__name__}: {error}")
         return ms
 
 
-def kernel_times(run, device: str) -> list[dict]:
+def kernel_times(run, clock: DeviceClock) -> list[dict]:
     """The costliest kernels of `run` (on CPU: operators), by self time over `PROFILED_CALLS` calls, per call."""
-    on_gpu = device.startswith("cuda")
+    on_gpu = clock.cuda
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as profiler:
         for _ in range(PROFILED_CALLS):
             run()
-        draft_cost.synchronize(device)
+        clock()  # waits for the kernels
     if on_gpu:
         events = [(event, event.self_device_time_total) for event in profiler.key_averages()]
         events = [(event, us) for event, us in events if event.device_type == DeviceType.CUDA and us > 0]
@@ -150,7 +160,7 @@ def assess(timings: dict[str, float], max_tau: int, suffix: str) -> dict:
 @torch.no_grad()  # as draft_cost.measure
 def measure(
     target, draft, args: argparse.Namespace, timer: draft_cost.Timer, report, errors: dict, drafted: dict
-) -> dict[str, float]:
+) -> dict:
     """Target, then every drafting variant; `report(timings)` saves what is measured so far after each stage.
 
     Each variant's tokens of one round land in `drafted`. A variant that fails (a kernel or a compiler the GPU at hand
@@ -158,7 +168,8 @@ def measure(
     """
     generator = torch.Generator().manual_seed(args.seed)
     context_ids = torch.randint(0, draft.config.vocab_size, (1, args.context), generator=generator)
-    timings, prefill = draft_cost.measure_target(target, context_ids.to(args.device), args.block_size, timer)
+    num_draft_tokens = draft.config.num_draft_tokens
+    timings, prefill = draft_cost.measure_target(target, context_ids.to(args.device), num_draft_tokens, timer)
     report(timings)
     measure_variants(draft, target, prefill, args, timer, report, timings, drafted, errors, compiled=False)
     if not args.compile:
@@ -177,24 +188,21 @@ def measure(
 
 
 def measure_variants(
-    draft, target, prefill, args, timer, report, timings: dict[str, float], drafted: dict, errors: dict, compiled: bool
+    draft, target, prefill, args, timer, report, timings: dict, drafted: dict, errors: dict, compiled: bool
 ) -> None:
     """`draft_cost.measure_draft` per head variant; compiled after `compile_drafting` (variants recompile the head)."""
-    try:
-        for pool, fused in head_variants(args):
-            draft.config.head_candidate_pool, draft.config.fused_head_step = pool, fused
-            # Context update and argmax are the same for every variant: timed with the first that gets through
-            # them (the ratios of every variant need the argmax, so a first variant that fails must not lose it).
-            shared = "draft_argmax" not in timings
-            suffix = variant_suffix(pool, fused, compiled)
-            try:
-                timings |= draft_cost.measure_draft(draft, target, prefill, timer, suffix, shared, drafted)
-            except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
-                traceback.print_exc()
-                errors[variant_name(suffix)] = f"{type(error).__name__}: {error}"
-            report(timings)
-    finally:
-        draft.config.head_candidate_pool, draft.config.fused_head_step = 0, False
+    for pool, fused in head_variants(args):
+        # Context update and argmax are the same for every variant: timed with the first that gets through them
+        # (the ratios of every variant need the argmax, so a first variant that fails must not lose it).
+        shared = "draft_argmax" not in timings
+        suffix = variant_suffix(pool, fused, compiled)
+        try:
+            options = drafting_options(args, pool, fused)
+            timings |= draft_cost.measure_draft(draft, target, prefill, timer, options, suffix, shared, drafted)
+        except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
+            traceback.print_exc()
+            errors[variant_name(suffix)] = f"{type(error).__name__}: {error}"
+        report(timings)
 
 
 def same_tokens_as_eager(drafted: dict[str, torch.Tensor]) -> dict[str, bool]:
@@ -209,7 +217,7 @@ def same_tokens_as_eager(drafted: dict[str, torch.Tensor]) -> dict[str, bool]:
 
 
 def results_of(
-    args: argparse.Namespace, model: dict, timer: Timer, timings: dict[str, float], drafted: dict, errors: dict,
+    args: argparse.Namespace, model: dict, timer: Timer, timings: dict, drafted: dict, errors: dict,
     started: float,
 ) -> dict:
     variants = {}
@@ -245,19 +253,21 @@ def markdown(results: dict) -> str:
     settings, timings, variants = results["settings"], results["timings_ms"], results["variants"]
     pools = ", ".join(str(pool) for pool in settings["head_pools"])
     lines = [
-        f"# GPU check (issue 7): {settings['target']}, draft {settings['draft_layers']} layers, block "
+        f"# GPU check of the draft cost: {settings['target']}, draft {settings['draft_layers']} layers, block "
         f"{settings['block_size']}, context {settings['context']}, {settings['dtype']} on {settings['device']}",
         "",
         draft_cost.environment_line(results["environment"]),
         "",
-        f"Head candidate pools {pools} (0: whole vocabulary); fused: `config.fused_head_step` (one Triton kernel per "
-        f"slot); compiled: `draft.compile_drafting({settings['compile_mode']!r})`; GRU input gate table "
+        f"Head candidate pools {pools} (0: whole vocabulary); fused: `DraftingOptions(fused_step=True)` (one Triton "
+        f"kernel per slot); compiled: `draft.compile_drafting({settings['compile_mode']!r})`; GRU input gate table "
         f"{'used' if results['model']['gru_input_table'] else 'not used (too big)'}. Run took "
         f"{results['elapsed_s']:.0f} s.",
         "",
-        "| piece | median ms |",
-        "|---|---:|",
-        *(f"| {name} | {ms:.3f} |" for name, ms in timings.items()),
+        *draft_cost.piece_table(timings),
+        "",
+        "Verify pass over the anchor and k drafts (`target_verify_k`):",
+        "",
+        *draft_cost.verify_curve_table(timings),
         "",
     ]
     for name, error in results["errors"].items():
@@ -318,15 +328,15 @@ def main(argv: list[str] | None = None) -> dict:
     target, draft = draft_cost.build_models(
         args.target, draft_cost.DTYPES[args.dtype], args.device, args.draft_layers, args.block_size
     )
-    if args.gru_input_table_mib is not None:
-        draft.config.gru_input_table_max_bytes = args.gru_input_table_mib * 2**20
     model = draft_cost.model_summary(target, draft)
     with torch.no_grad():  # with gradients on, the head never uses the table
-        model["gru_input_table"] = draft._gru_input_table(target.get_input_embeddings()) is not None
+        embed_tokens, options = target.get_input_embeddings(), drafting_options(args)
+        weights = draft.head.weights(embed_tokens, draft.vocab, torch.float32, options)  # block_logits: float32
+        model["gru_input_table"] = weights.gate_table is not None
 
     errors, drafted = {}, {}
 
-    def report(timings: dict[str, float]) -> tuple[dict, str]:
+    def report(timings: dict) -> tuple[dict, str]:
         results = results_of(args, model, timer, timings, drafted, errors, started)
         text = markdown(results)
         draft_cost.write_results(results, text, args.output)

@@ -1,13 +1,15 @@
 """Acceptance with the head's candidate pool: does restricting each slot's logit residual to its K best base tokens
-(`config.head_candidate_pool = K`) change what a trained draft proposes?
+(`DraftingOptions(candidate_pool=K)`) change what a trained draft proposes?
 
     python benchmarks/head_pool.py                                   # the shipped SmolLM2 draft, pools 0 8 32 64
     python benchmarks/head_pool.py --target DIR --draft DIR --pools 0 16 --limit 10
 
 Greedy decoding with the native engine, the same prompts (the bench's eval sets) for every pool; pool 0 is the whole
-vocabulary. The pool is lossless, since the target verifies every draft: the script checks that every pool's outputs
-equal pool 0's. Prints the mean acceptance length per eval set and pool, and writes JSON + Markdown with the machine
-and versions. What the pool saves in time is `draft_cost.py --head-pool K` (BENCHMARKS.md).
+vocabulary. Every round verifies the whole block (`draft_length="full"`), so tau measures what each pool proposes,
+not how many drafts a cost model chose to verify. The pool is lossless, since the target verifies every draft: the
+script checks that every pool's outputs equal pool 0's. Prints the mean acceptance length per eval set and pool, and
+writes JSON + Markdown with the machine and versions. What the pool saves in time is `draft_cost.py --head-pool K`
+(BENCHMARKS.md).
 """
 
 import argparse
@@ -19,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from domino_spec import DominoDraftModel
+from domino_spec.drafting import DraftingOptions
 from domino_spec.generation import speculative_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
@@ -31,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m", help="asset name or local model folder")
     parser.add_argument("--draft", default=None, help="draft folder (default: the shipped SmolLM2 draft)")
-    parser.add_argument("--pools", type=int, nargs="+", default=[0, 8, 32, 64], help="head_candidate_pool values")
+    parser.add_argument("--pools", type=int, nargs="+", default=[0, 8, 32, 64], help="candidate_pool values")
     parser.add_argument("--eval-sets", default="mt-bench,humaneval,gsm-symbolic")
     parser.add_argument("--limit", type=int, default=5, help="first N prompts of each eval set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -48,16 +51,15 @@ def pool_acceptance(
 ) -> list[dict]:
     """Per eval set and pool: mean acceptance length, acceptance per draft position, and the output check."""
     rows = []
-    progress = tqdm(total=sum(map(len, prompts.values())) * len(pools), desc="pools", unit="decode")
-    original_pool = draft.config.head_candidate_pool
-    try:
+    with tqdm(total=sum(map(len, prompts.values())) * len(pools), desc="pools", unit="decode") as progress:
         for name, prompt_ids in prompts.items():
             reference = None
             for pool in sorted(pools):  # 0 first: the reference
-                draft.config.head_candidate_pool = pool
+                options = DraftingOptions(candidate_pool=pool, draft_length="full")
                 lengths, outputs = [], []
                 for input_ids in prompt_ids:
-                    output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens)
+                    output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens,
+                                                  options=options)  # fmt: skip
                     lengths += output.acceptance_lengths[0]
                     outputs.append(output.sequences)
                     progress.update(1)
@@ -69,9 +71,6 @@ def pool_acceptance(
                     "rounds": len(lengths),
                     "identical_to_pool_0": all(map(torch.equal, outputs, reference)),
                 })  # fmt: skip
-    finally:
-        draft.config.head_candidate_pool = original_pool
-        progress.close()
     return rows
 
 
@@ -98,8 +97,7 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     from domino_spec.generation.demo import SHIPPED_DRAFT
     from domino_spec.generation.eval_sets import eval_prompts
-    from domino_spec.training.cli import load_target
-    from domino_spec.training.data import prompt_token_ids
+    from domino_spec.targets import load_target, prompt_token_ids
 
     args = parse_args(argv)
     target, tokenizer = load_target(args.target)

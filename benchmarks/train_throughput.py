@@ -5,8 +5,11 @@ computed online, and again with features precomputed into a FeatureStore (the ta
 Prints a table and writes JSON + Markdown.
 
     python benchmarks/train_throughput.py --target tiny
-    python benchmarks/train_throughput.py --target ~/.cache/domino_spec/targets/smollm2-135m --draft-layers 1 \
-        --block-size 8 --num-anchors 32 --length 384 --steps 6
+    python benchmarks/train_throughput.py --target smollm2-135m --draft-layers 1 --block-size 8 --num-anchors 32 \
+        --length 384 --steps 6
+
+`--target` is what `targets.load_target` takes (a local model folder, an asset name or a shape preset), loaded in
+float32 on the device the Trainer uses.
 """
 
 import argparse
@@ -20,24 +23,14 @@ import torch
 import transformers
 
 from domino_spec import DominoDraftModel
+from domino_spec.generation.engine import DeviceClock
+from domino_spec.targets import SHAPE_PRESETS, default_device, load_target
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.features import FeatureStore
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
 import draft_cost  # noqa: E402
-
-TINY = dict(
-    vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16,
-)  # fmt: skip
-
-
-def load_target(name: str) -> transformers.PreTrainedModel:
-    if name == "tiny":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).eval()
-    return transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
-
 
 def random_dataset(vocab_size: int, count: int, length: int, prompt_length: int, seed: int) -> datasets.Dataset:
     generator = torch.Generator().manual_seed(seed)
@@ -71,24 +64,24 @@ def time_training(target, dataset, args, feature_store: FeatureStore | None) -> 
         collator = DominoDataCollator(pad_token_id=0, num_anchors=args.num_anchors, feature_store=feature_store)
         trainer = DominoTrainer(draft, target, training_args, train_dataset=dataset, data_collator=collator)
         step_starts = []
-        trainer.add_callback(_StepClock(step_starts))
+        trainer.add_callback(_StepClock(step_starts, DeviceClock(trainer.args.device)))
         trainer.train()
     return (step_starts[-1] - step_starts[0]) / (len(step_starts) - 1)
 
 
 class _StepClock(transformers.TrainerCallback):
-    def __init__(self, times: list[float]):
-        self.times = times
+    def __init__(self, times: list[float], clock: DeviceClock):
+        self.times, self.clock = times, clock  # on a GPU a step returns before its kernels finish: the clock waits
 
     def on_step_end(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # on a GPU the step returns before its kernels finish
-        self.times.append(time.perf_counter())
+        self.times.append(self.clock())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="tiny", help="a local model folder, or `tiny` (random)")
+    parser.add_argument(
+        "--target", default="tiny", help=f"a local model folder, an asset, or one of {sorted(SHAPE_PRESETS)}"
+    )
     parser.add_argument("--draft-layers", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-anchors", type=int, default=32)
@@ -101,7 +94,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    device = default_device()  # where the Trainer runs
+    target, _ = load_target(args.target, dtype=torch.float32, device=device)
     vocab_size = target.get_input_embeddings().weight.shape[0]
     dataset = random_dataset(vocab_size, args.batch_size * (args.steps + 1), args.length, args.length // 4, args.seed)
     tokens_per_step = args.batch_size * args.length
@@ -116,9 +110,11 @@ def main() -> None:
     rows = {
         "online features": {"seconds_per_step": online, "tokens_per_s": tokens_per_step / online},
         "feature store": {"seconds_per_step": stored, "tokens_per_s": tokens_per_step / stored},
-        "feature store build (per sequence)": {"seconds_per_step": feature_seconds, "tokens_per_s": args.length / feature_seconds},
+        "feature store build (per sequence)": {
+            "seconds_per_step": feature_seconds, "tokens_per_s": args.length / feature_seconds,
+        },
     }
-    environment = draft_cost.environment("cuda" if torch.cuda.is_available() else "cpu")  # where Trainer runs
+    environment = draft_cost.environment(device)
     lines = [
         f"# Training throughput: {args.target}, {args.draft_layers} draft layer(s), block {args.block_size}, "
         f"{args.num_anchors} anchors, batch {args.batch_size} x {args.length} tokens",

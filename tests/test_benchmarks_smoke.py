@@ -1,5 +1,4 @@
-"""Smoke tests: the draft cost benchmark and the GPU check run end to end at tiny shapes on CPU and write complete
-results."""
+"""Smoke tests: the scripts of benchmarks/ run end to end at tiny shapes on CPU and write complete results."""
 
 import json
 import logging
@@ -11,6 +10,7 @@ import torch
 from conftest import load_benchmark, tiny_draft, tiny_target
 
 from domino_spec import head_step_triton
+from domino_spec.drafting import DraftingOptions
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "draft_cost.py"
@@ -46,7 +46,30 @@ def test_draft_cost_benchmark_writes_results(tmp_path):
     timings = results["timings_ms"]
     expected = 4 * timings["target_decode"] / (timings["draft_round"] + timings["target_verify"])
     assert abs(speedup["4"] - expected) < 1e-9 * expected
-    assert "| tau | speedup |" in output.with_suffix(".md").read_text()
+    # The cost curve: a verify pass over the anchor and k drafts for k = 0..4, the last the whole block.
+    verify_k = timings["target_verify_k"]
+    assert len(verify_k) == results["model"]["num_draft_tokens"] + 1 == 5 and all(ms > 0 for ms in verify_k)
+    assert timings["target_verify"] == verify_k[-1]
+    # On CPU both models go through optimize_for_cpu by default: a layout per tuned row count for each weight shape.
+    assert results["settings"]["cpu_optimization"] is True
+    plans = results["cpu_optimization"]["plans"]
+    assert "1024x64 float32" in plans and set(plans["1024x64 float32"].values()) <= {"linear", "transposed", "onednn"}
+    report = output.with_suffix(".md").read_text()
+    assert "| tau | speedup |" in report and "| drafts k | verify ms | / decode |" in report
+    assert "| 4 |" in report and "`optimize_for_cpu`" in report
+
+
+def test_draft_cost_records_eager_linears_and_the_head_pool(tmp_path):
+    output = tmp_path / "draft_cost.json"
+    results = load_benchmark("draft_cost").main([
+        "--target", "tiny", "--draft-layers", "1", "--block-size", "2", "--context", "8", "--repeats", "1",
+        "--warmup", "0", "--head-pool", "8", "--no-cpu-optimization", "--output", str(output),
+    ])  # fmt: skip
+    assert json.loads(output.read_text()) == json.loads(json.dumps(results))
+    assert results["settings"]["cpu_optimization"] is False and results["cpu_optimization"] is None
+    assert results["settings"]["head_pool"] == 8
+    assert len(results["timings_ms"]["target_verify_k"]) == 3  # k = 0, 1, 2
+    assert "eager `nn.Linear` (`--no-cpu-optimization`)" in output.with_suffix(".md").read_text()
 
 
 def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
@@ -61,6 +84,7 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     assert {"machine", "accelerator", "python", "torch", "transformers", "triton"} <= set(results["environment"])
     timings = results["timings_ms"]
     assert all(timings[name] > 0 for name in TIMINGS)
+    assert len(timings["target_verify_k"]) == 5 and timings["target_verify"] == timings["target_verify_k"][-1]
     assert timings["draft_head_loop_pool8"] > 0 and timings["draft_round_pool8"] > 0
     # No compiled variants without compilation; on CPU the fused head step runs in Triton's interpreter (conftest).
     fused = ["pool8_fused"] if head_step_triton.kernel_runs_on(torch.device("cpu")) else []
@@ -90,17 +114,17 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
 
 
 def test_gpu_check_records_a_failing_variant_and_measures_the_others(tmp_path):
-    """A pool over the tiny preset's vocabulary (1024 tokens) fails its variants; the run measures all the others."""
+    """A negative pool (invalid `DraftingOptions`) fails its variants; the run measures all the others."""
     output = tmp_path / "gpu_check.json"
     results = load_benchmark("gpu_check").main([
         "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
-        "--context", "16", "--head-pools", "0", "2000", "8", "--repeats", "1", "--warmup", "0", "--output", str(output),
+        "--context", "16", "--head-pools", "0", "-1", "8", "--repeats", "1", "--warmup", "0", "--output", str(output),
     ])  # fmt: skip
     fused = head_step_triton.kernel_runs_on(torch.device("cpu"))
-    assert set(results["errors"]) == {"pool2000", *(["pool2000_fused"] if fused else [])}
-    assert "head_candidate_pool=2000 is invalid" in results["errors"]["pool2000"]
+    assert set(results["errors"]) == {"pool-1", *(["pool-1_fused"] if fused else [])}
+    assert "candidate_pool=-1 is invalid" in results["errors"]["pool-1"]
     assert set(results["variants"]) == {"eager", "pool8", *(["pool8_fused"] if fused else [])}
-    assert "**pool2000 failed:**" in output.with_suffix(".md").read_text()
+    assert "**pool-1 failed:**" in output.with_suffix(".md").read_text()
 
 
 def test_gpu_check_survives_a_failing_first_variant(tmp_path):
@@ -108,10 +132,10 @@ def test_gpu_check_survives_a_failing_first_variant(tmp_path):
     the next one times them, rather than the run crashing on the next report."""
     results = load_benchmark("gpu_check").main([
         "--target", "tiny", "--device", "cpu", "--no-compile", "--no-fused", "--draft-layers", "2", "--block-size",
-        "4", "--context", "16", "--head-pools", "2000", "8", "--repeats", "1", "--warmup", "0",
+        "4", "--context", "16", "--head-pools", "-1", "8", "--repeats", "1", "--warmup", "0",
         "--output", str(tmp_path / "gpu_check.json"),
     ])  # fmt: skip
-    assert set(results["errors"]) == {"pool2000"} and set(results["variants"]) == {"pool8"}
+    assert set(results["errors"]) == {"pool-1"} and set(results["variants"]) == {"pool8"}
     assert results["timings_ms"]["draft_argmax"] > 0 and results["timings_ms"]["draft_context_update"] > 0
 
 
@@ -174,6 +198,6 @@ def test_head_pool_benchmark_measures_every_pool_with_the_same_outputs():
     rows = head_pool.pool_acceptance(target, draft, prompts, [4, 0], max_new_tokens=12)
     assert [(row["eval_set"], row["pool"]) for row in rows] == [("a", 0), ("a", 4), ("b", 0), ("b", 4)]
     assert all(row["identical_to_pool_0"] and row["mean_acceptance_length"] >= 1 for row in rows)
-    assert draft.config.head_candidate_pool == 0  # restored
+    assert draft.drafting_options == DraftingOptions()  # pools are passed per call, never left on the draft
     results = {"target": "tiny", "draft": "random", "limit": 2, "max_new_tokens": 12, "environment": {}, "rows": rows}
     assert "| a | " in head_pool.markdown(results) and "pool 4" in head_pool.markdown(results)
