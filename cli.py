@@ -1,8 +1,9 @@
-"""The `domino-spec` command: generate-data, cache-features, train, bench, demo, export, card.
+"""The `domino-spec` command: generate-data, cache-features, train, draft-vocab, bench, demo, export, card.
 
     domino-spec generate-data --target DIR --prompts FILE --output FILE
     domino-spec cache-features --target DIR --data FILE --output DIR   (optional: train --features DIR)
-    domino-spec train --target DIR --data FILE --output DIR --max-steps N
+    domino-spec train --target DIR --data FILE --output DIR --max-steps N [--draft_vocab_size N]
+    domino-spec draft-vocab DIR OUT --data FILE --size N
     domino-spec export --format sglang DIR OUT
     domino-spec card DIR [--push-to-hub REPO]
     domino-spec bench [--target DIR] [--domino DIR] [--eval-sets ...] [--limit N] [--quality [--allow-code-execution]]
@@ -112,6 +113,13 @@ class DraftArguments:
         default=None, metadata={"help": "Comma-separated target layers to tap (default evenly spaced)."}
     )
     mask_token_id: int | None = field(default=None, metadata={"help": "Target embedding row used as the mask token."})
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens the draft may propose: the N most frequent in the training responses (default: the "
+            "target's whole vocabulary). Far cheaper drafting and training on CPU; the target still verifies all."
+        },
+    )
     init_from: str | None = field(default=None, metadata={"help": "Start from this draft folder instead of random."})
     max_length: int = field(default=3072, metadata={"help": "Training sequence length cap."})
     features: str | None = field(
@@ -140,6 +148,7 @@ def draft_shape(draft_args: DraftArguments) -> dict:
         "residual_rank": draft_args.residual_rank,
         "target_layer_ids": [int(i) for i in layer_ids.split(",")] if layer_ids else None,
         "mask_token_id": draft_args.mask_token_id,
+        "draft_vocab_size": draft_args.draft_vocab_size,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -151,9 +160,11 @@ def fresh_draft_shape(draft_args: DraftArguments, target) -> dict:
     return {"num_hidden_layers": layers, "block_size": 16, **draft_shape(draft_args)}
 
 
-def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftModel:
-    """A fresh draft of the flags' shape for `target`, or the `--init_from` draft; master weights in fp32 (--bf16
-    trains under autocast)."""
+def build_draft(draft_args: DraftArguments, target, tokenizer, dataset=None) -> DominoDraftModel:
+    """A fresh draft of the flags' shape for `target` (its draft vocabulary the most frequent tokens of `dataset`'s
+    responses), or the `--init_from` draft; master weights in fp32 (--bf16 trains under autocast)."""
+    from .training.data import draft_vocabulary
+
     shape = draft_shape(draft_args)
     if draft_args.init_from:
         draft = DominoDraftModel.from_pretrained(draft_args.init_from)
@@ -166,7 +177,11 @@ def build_draft(draft_args: DraftArguments, target, tokenizer) -> DominoDraftMod
             )
         draft.check_target(target)
         return draft.float()
-    return DominoDraftModel.from_target(target, tokenizer=tokenizer, **fresh_draft_shape(draft_args, target)).float()
+    shape = fresh_draft_shape(draft_args, target)
+    if shape.get("draft_vocab_size") is not None:
+        vocab_size = target.get_input_embeddings().weight.shape[0]
+        shape["draft_vocab"] = draft_vocabulary(dataset, shape.pop("draft_vocab_size"), vocab_size)
+    return DominoDraftModel.from_target(target, tokenizer=tokenizer, **shape).float()
 
 
 def parse_train_arguments(
@@ -221,7 +236,7 @@ def train(argv: list[str]) -> None:
     target, tokenizer, dataset, eval_dataset = load_target_and_data(draft_args)
     data_summary = {**summarize(dataset), "generation": generation_settings(draft_args.data)}
     print(json.dumps({"data": data_summary}, indent=2))
-    draft = build_draft(draft_args, target, tokenizer)
+    draft = build_draft(draft_args, target, tokenizer, dataset)
     checkpoint = checkpoint_to_resume(training_args)
     if checkpoint is not None:
         check_resumable(checkpoint, draft)
@@ -289,6 +304,29 @@ def load_checked_data(path: str, target, tokenizer, max_length: int):
     return dataset
 
 
+def draft_vocab(argv: list[str]) -> None:
+    """Give an existing draft a draft vocabulary: the most frequent tokens of regenerated data's responses."""
+    from .training.data import draft_vocabulary, load_training_dataset
+
+    parser = argparse.ArgumentParser(
+        prog="domino-spec draft-vocab",
+        description="Write a copy of a draft that proposes only the N most frequent tokens of regenerated data: "
+        "the backbone as it is, the head's residual rows of those tokens (cheaper drafting; outputs unchanged).",
+    )
+    parser.add_argument("draft_dir", metavar="DIR", help="a draft folder")
+    parser.add_argument("output_dir", metavar="OUT", help="folder to write the new draft to")
+    parser.add_argument("--data", required=True, help="regenerated .jsonl (domino-spec generate-data) to count")
+    parser.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary, e.g. 8192")
+    args = parser.parse_args(argv)
+    check_draft_folder(args.draft_dir)
+    if not os.path.isfile(args.data):
+        raise FileNotFoundError(f"--data {args.data}: no such file (make one with `domino-spec generate-data`)")
+    draft = DominoDraftModel.from_pretrained(args.draft_dir)
+    dataset = load_training_dataset(args.data)
+    draft.with_draft_vocab(draft_vocabulary(dataset, args.size, draft.config.vocab_size)).save_pretrained(args.output_dir)
+    print(f"wrote a draft of {args.size} draft tokens (of {draft.config.vocab_size}) to {args.output_dir}")
+
+
 def cache_features(argv: list[str]) -> None:
     """Compute the target features of a training set once, for `train --features DIR` (resumable).
 
@@ -322,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         "generate-data": generate_data,
         "train": train,
         "cache-features": cache_features,
+        "draft-vocab": draft_vocab,
         "bench": bench,
         "demo": demo,
         "export": export_main,

@@ -33,7 +33,15 @@ from .cache_domino import DominoContextCache
 from .configuration_domino import DominoConfig, check_input_ids
 from .drafting import DraftingOptions
 from .generation_domino import DominoCandidateGenerator, candidate_generator
-from .head_domino import DerivedTensors, DominoHead, base_drafts, greedy_head, slot_chooser, to_target_vocabulary
+from .head_domino import (
+    Chooser,
+    DerivedTensors,
+    DominoHead,
+    base_drafts,
+    greedy_head,
+    slot_chooser,
+    to_target_vocabulary,
+)
 from .published_format import check_checkpoint_folder, load_converted, needs_conversion
 
 # Shapes: B batch, N blocks per sequence, K block size, S drafts per block, T context length, D hidden,
@@ -342,6 +350,31 @@ class DominoDraftModel(PreTrainedModel):
                 f"vocab_size of the config), got a tensor of shape {tuple(token_ids.shape)}."
             )
         self.draft_vocab.copy_(token_ids)
+
+    @torch.no_grad()
+    def with_draft_vocab(self, token_ids: torch.Tensor | list[int]) -> "DominoDraftModel":
+        """A new draft that proposes only `token_ids` (distinct, the most frequent first): this draft's weights, the
+        head's `W_up` rows of those tokens. Without a candidate pool it drafts what this one drafts wherever this
+        one's pick is among them."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
+        current = self.vocab if self.vocab is not None else torch.arange(self.config.vocab_size, device=token_ids.device)
+        row_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        row_of[current] = torch.arange(current.numel(), device=token_ids.device)
+        rows = row_of[token_ids.clamp(0, self.config.vocab_size - 1)]
+        if (rows < 0).any() or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
+            raise ValueError(
+                f"a draft vocabulary must lie within the draft's own ({current.numel()} tokens): the head has no "
+                "residual row for the others."
+            )
+        config = type(self.config).from_dict({**self.config.to_dict(), "draft_vocab_size": token_ids.numel()})
+        draft = type(self)(config).to(device=self.fc.weight.device, dtype=self.dtype)
+        draft.set_draft_vocab(token_ids)
+        state_dict = {**self.state_dict(), "draft_vocab": draft.draft_vocab}
+        if self.head is not None:
+            state_dict["head.embed_proj.2.weight"] = state_dict["head.embed_proj.2.weight"][rows]
+        draft.load_state_dict(state_dict)
+        draft.drafting_options = self.drafting_options
+        return draft.train(self.training)
 
     @staticmethod
     def config_for_target(
@@ -695,6 +728,20 @@ class DominoDraftModel(PreTrainedModel):
         choose = None
         if logits_processor is not None or do_sample:
             choose = slot_chooser(prefix_ids, logits_processor, do_sample, generator)
+        return self.draft_from_block(block, embed_tokens, choose, options)
+
+    @torch.no_grad()
+    def draft_from_block(
+        self,
+        block: DominoBlock,
+        embed_tokens: nn.Module,
+        choose: Chooser | None = None,
+        options: DraftingOptions | None = None,
+    ) -> DominoDraft:
+        """The rest of a drafting round after `block_logits`: the head's slot loop (compiled after
+        `compile_drafting`), or without a head each slot's pick from its base logits. `choose` (processed or sampled
+        drafting, `head_domino.slot_chooser`) picks from each slot's logits over the target's vocabulary; None is
+        greedy."""
         vocab_size = self.config.vocab_size
         if self.head is None:
             tokens, logits, confidence = base_drafts(block.base_logits, self.vocab, choose, vocab_size)

@@ -8,7 +8,7 @@ of the cost model (S = the block's drafts, `num_draft_tokens`):
   (`target_verify_k`, the cost curve a cost-aware draft length weighs); `target_verify` is the whole block, k = S;
 - draft context update: `extend_context` with the features of S + 1 new tokens (the most a round commits);
 - draft backbone: `block_logits`, one parallel pass over `[anchor, MASK...]` plus the target's LM head;
-- draft head loop: the Domino head's greedy slot loop over the block (`draft.head.draft` on the backbone's output: a
+- draft head loop: the Domino head's greedy slot loop over the block (`draft_from_block` on the backbone's output: a
   GRU step and a low-rank map per slot), with `--head-pool` as `DraftingOptions(candidate_pool=...)`;
 - draft argmax: plain argmax of the base logits, the selection a DFlash draft (no head) pays anyway;
 - draft round: `draft_block` appending those new features: context update + backbone + head loop.
@@ -45,7 +45,6 @@ from domino_spec import DominoContextCache, DominoDraftModel
 from domino_spec.drafting import DraftingOptions
 from domino_spec.generation.cpu import CPUOptimization, optimize_for_cpu
 from domino_spec.generation.engine import DeviceClock
-from domino_spec.head_domino import greedy_head
 from domino_spec.head_step_triton import triton
 from domino_spec.targets import SHAPE_PRESETS, default_device, default_dtype, load_target
 from domino_spec.transformers_compat import cache_keyword, new_dynamic_cache
@@ -168,11 +167,6 @@ def measure_target(
     return timings, prefill
 
 
-def head_loop(draft: DominoDraftModel) -> Callable[..., tuple]:
-    """The greedy head `draft_block` runs: compiled after `draft.compile_drafting()`, else eager."""
-    return draft.__dict__["_compiled_drafting"].greedy_head if draft.is_drafting_compiled else greedy_head
-
-
 def measure_draft(
     draft: DominoDraftModel,
     target,
@@ -183,7 +177,7 @@ def measure_draft(
     shared: bool = True,
     drafted: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Backbone (`block_logits`), head loop (`draft.head.draft`) and a whole `draft_block` round under `options`,
+    """Backbone (`block_logits`), head loop (`draft_from_block`) and a whole `draft_block` round under `options`,
     with the prefill's context cached.
 
     All three run what `draft_block` runs (compiled after `draft.compile_drafting()`); `suffix` names the variant in
@@ -213,7 +207,6 @@ def measure_draft(
         draft_cache.crop(-committed)
 
     block = backbone()
-    greedy = head_loop(draft)
     timings = {}
     if shared:
         timings["draft_context_update"] = time_it(
@@ -226,7 +219,7 @@ def measure_draft(
         f"draft_backbone{suffix}": time_it(f"draft_backbone{suffix}", backbone),
         f"draft_head_loop{suffix}": time_it(
             f"draft_head_loop{suffix}",
-            lambda: draft.head.draft(*block, embed_tokens, draft.vocab, options, greedy=greedy),
+            lambda: draft.draft_from_block(block, embed_tokens, options=options),
         ),
         f"draft_round{suffix}": time_it(f"draft_round{suffix}", draft_round, crop_new_context),
     }

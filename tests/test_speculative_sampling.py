@@ -343,3 +343,19 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
         strong_head_draft.drafting_options = DraftingOptions()
     assert len(set(lengths)) >= 2, set(lengths)  # rounds of different lengths
     assert_distributed_as(samples, exact, "HF-path sampling with the cost-aware draft length")
+
+
+def test_native_sampling_with_a_draft_vocabulary_matches_target_distribution(models):
+    """A draft vocabulary without two of the target's likely tokens (EOS among them): q is zero there, the target
+    still produces them (from the rejection's residual), at its own rates."""
+    target, draft, prompt = models
+    vocabulary = [token for token in range(120) if token not in (LIVE_TOKENS[1], LIVE_TOKENS[4])]
+    restricted = draft.with_draft_vocab(torch.tensor(vocabulary))
+    processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
+    output = speculative_generate(target, restricted, prompt.expand(NUM_NATIVE_SAMPLES, -1), max_new_tokens=NUM_TOKENS,
+                                  do_sample=True, eos_token_id=EOS, pad_token_id=0, temperature=0.7, top_k=3,
+                                  top_p=0.9, generator=torch.Generator().manual_seed(6))  # fmt: skip
+    outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
+    assert 0.1 < sum(outcome[-1] == EOS for outcome in outcomes) / len(outcomes) < 0.9  # EOS: the target's alone
+    assert_distributed_as(outcomes, exact, "native sampling with a draft vocabulary")

@@ -1117,3 +1117,22 @@ def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(t
     (store_dir / "index.json").write_text(json.dumps({**index, "complete": False}))
     with pytest.raises(ValueError, match="holds an unfinished feature store of an unrecorded target"):
         FeatureStore.build(tiny_target("llama", seed=5), dataset, [1, 3], str(store_dir))
+
+
+def test_a_draft_vocabulary_trained_from_the_responses_and_narrowed_by_the_draft_vocab_command(tmp_path, tiny_target_dir):
+    from domino_spec.cli import main
+    from domino_spec.training.data import draft_vocabulary
+
+    flags = [*_checkpointing_train_flags(tmp_path, tiny_target_dir, records=4), "--max_steps", "2"]
+    main(["train", *flags, "--draft_vocab_size", "12", "--output", str(tmp_path / "draft")])
+    draft = DominoDraftModel.from_pretrained(tmp_path / "draft")
+    expected = draft_vocabulary(load_training_dataset(str(tmp_path / "data.jsonl")), 12, draft.config.vocab_size)
+    assert draft.draft_vocab.tolist() == expected and draft.head.embed_proj[2].weight.shape[0] == 12
+    summary = json.loads((tmp_path / "draft" / "training_summary.json").read_text())
+    assert math.isfinite(summary["last_logged"]["loss"]) and summary["global_step"] == 2
+    main(["draft-vocab", str(tmp_path / "draft"), str(tmp_path / "smaller"), "--data", str(tmp_path / "data.jsonl"),
+          "--size", "6"])  # fmt: skip
+    smaller = DominoDraftModel.from_pretrained(tmp_path / "smaller")
+    assert smaller.draft_vocab.tolist() == expected[:6]
+    rows = [expected.index(token) for token in expected[:6]]
+    assert torch.equal(smaller.head.embed_proj[2].weight, draft.head.embed_proj[2].weight[rows])

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -366,6 +367,20 @@ def generation_settings(path: str) -> dict | None:
     per mode; None for hand-made records, which do not say."""
     generation = _recorded_generation(path)
     return None if generation is None else {key: value for key, value in generation.items() if key != "target"}
+
+
+def draft_vocabulary(dataset, size: int, vocab_size: int) -> list[int]:
+    """The `size` token ids a draft proposes: the most frequent in the responses of `dataset` (ties by id), then, if
+    the responses hold fewer distinct tokens, the lowest unseen ids of the `vocab_size` the target has."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {size} tokens is invalid: expected 1 to {vocab_size}, the target's.")
+    counts = Counter()
+    for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
+        counts.update(token for token, in_response in zip(ids, mask) if in_response)
+    ranked = sorted(counts, key=lambda token: (-counts[token], token))[:size]
+    seen = set(ranked)
+    unseen = (token for token in range(vocab_size) if token not in seen)
+    return ranked + list(itertools.islice(unseen, size - len(ranked)))
 
 
 def summarize(dataset) -> dict:

@@ -14,7 +14,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 
 from .collator import DominoDataCollator, sample_anchors, seeded_generator
 from .features import target_hidden_states
-from .loss import block_labels, curriculum_lambda, domino_loss
+from .loss import IGNORE_INDEX, block_labels, curriculum_lambda, domino_loss
 from .model_card import training_summary, write_model_card
 
 logger = logging.getLogger(__name__)
@@ -249,6 +249,8 @@ class DominoTrainer(Trainer):
         labels = block_labels(
             inputs["input_ids"], inputs["loss_mask"], inputs["anchor_positions"], outputs.logits.shape[2]
         )
+        # The draft's logits cover its draft vocabulary: labels as its indices, tokens it cannot propose ignored.
+        labels = self.accelerator.unwrap_model(model).to_draft_vocab(labels, IGNORE_INDEX)
         loss, metrics = domino_loss(
             outputs.logits, outputs.base_logits, labels, self.current_lambda(), self.args.loss_gamma
         )
