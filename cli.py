@@ -29,6 +29,7 @@ from transformers import HfArgumentParser, set_seed
 
 from .assets import MissingAssetError
 from .configuration_domino import DominoConfig
+from .drafting import DRAFT_LENGTHS, DraftingOptions
 from .modeling_domino import DominoDraftModel
 from .targets import load_target
 from .training.checkpoints import check_resumable, checkpoint_to_resume, final_draft_problem, finished_at
@@ -45,6 +46,7 @@ PUBLISHED_DRAFT_LAYERS, PUBLISHED_TARGET_LAYERS = 5, 36
 
 
 def generate_data(argv: list[str]) -> None:
+    from .generation.cpu import optimize_for_cpu
     from .training.data import load_prompts, regenerate_responses
 
     parser = argparse.ArgumentParser(
@@ -66,6 +68,9 @@ def generate_data(argv: list[str]) -> None:
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file or folder")
     prompts = load_prompts(args.prompts, limit=args.limit)  # before the target: a bad file fails without the wait
     target, tokenizer = load_target(args.target)
+    if target.device.type == "cpu":  # a batch of rows per step: row counts eager nn.Linear is slow at
+        print("preparing the target for batched passes on this CPU (optimize_for_cpu)", flush=True)
+        optimize_for_cpu(target)
     thinking = None if args.thinking is None else args.thinking == "on"
     written = regenerate_responses(
         target,
@@ -412,6 +417,7 @@ def demo(argv: list[str]) -> None:
 
 def bench(argv: list[str]) -> None:
     from .generation.bench import DRAFT_OF, METHODS, run_bench, write_results
+    from .generation.cpu import optimize_for_cpu
     from .generation.eval_sets import EVAL_SETS, eval_prompts
 
     parser = argparse.ArgumentParser(prog="domino-spec bench", description="Evaluation sets x decoding methods, greedy.")
@@ -420,9 +426,18 @@ def bench(argv: list[str]) -> None:
     parser.add_argument("--dflash", default=None, help="DFlash-only draft folder (head off), for the dflash method")
     parser.add_argument("--eval-sets", default=",".join(EVAL_SETS), help=f"comma-separated from {EVAL_SETS}")
     parser.add_argument(
-        "--methods", default=",".join(METHODS),
+        "--methods", default=",".join(name for name in METHODS if name != "plain-eager"),
         help=f"comma-separated from {', '.join(METHODS)}; the plain decodings a method is measured against (plain, "
-        "and plain-native for the native engine's methods) are added when missing",
+        "plain-native for the native engine's methods, plain-eager on a prepared CPU target) are added when missing",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-cpu-optimization", action="store_true",
+        help="time eager nn.Linear on CPU instead of preparing the target and drafts with optimize_for_cpu",
+    )  # fmt: skip
+    parser.add_argument(
+        "--draft-length", choices=DRAFT_LENGTHS, default="auto",
+        help="drafts verified per round: cost (as many as pay, the cost model measured here), full (every draft), "
+        "auto (cost on CPU, full elsewhere)",
     )  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (quick runs)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -456,8 +471,14 @@ def bench(argv: list[str]) -> None:
     target, tokenizer = load_target(args.target)
     drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
               for name, folder in folders.items()}  # fmt: skip
+    for draft in drafts.values():
+        draft.drafting_options = DraftingOptions(draft_length=args.draft_length)
+    optimization = None
+    if target.device.type == "cpu" and not args.no_cpu_optimization:
+        print("preparing the target and drafts for multi-token passes on this CPU (optimize_for_cpu)", flush=True)
+        optimization = optimize_for_cpu(target, *drafts.values())
     prompts = {name: eval_prompts(name, args.limit) for name in eval_sets}
-    report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens)
+    report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens, optimization=optimization)
     if args.quality:
         from .generation.quality import score_report
 

@@ -206,7 +206,7 @@ def slot_loop(
             "A candidate pool is for greedy drafting: a chooser (logits processor, sampler) may mask all of it. Build "
             "the block with pool_size=0 for processed or sampled drafting."
         )
-    tokens, logits, confidence = [], [], []
+    tokens, logits = [], []
     for slot in range(num_slots):
         state_gates, state_part = F.linear(state, weights.state_weight).split(
             [gates_width, weights.state_weight.shape[0] - gates_width], dim=-1
@@ -229,14 +229,15 @@ def slot_loop(
             gates = F.linear(weights.embed_tokens(token).to(weights.weight_ih.dtype), weights.weight_ih)
         tokens.append(token)
         logits.append(slot_logits)
-        confidence.append(pick_confidence(slot_logits))
         if slot + 1 < num_slots:
             state = gru_cell(gates, state_gates, state)
     if pooled and first_corrected < num_slots:
         pool_logits = torch.stack(logits[first_corrected:], dim=1)  # [M, S - first_corrected, K]
+        confidence = torch.cat([pick_confidence(base_logits[:, :first_corrected]), pick_confidence(pool_logits)], 1)
         return torch.stack(tokens, 1), _spread_pools(base_logits, pool_logits, block.pool_ids, first_corrected), \
-            torch.stack(confidence, 1)  # fmt: skip
-    return torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(confidence, 1)
+            confidence  # fmt: skip
+    logits = torch.stack(logits, 1)
+    return torch.stack(tokens, 1), logits, pick_confidence(logits)
 
 
 def _spread_pools(
@@ -270,8 +271,10 @@ def fused_pooled_slot_loop(
             projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, indices, pool_logits,
             block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
         )  # fmt: skip
-    logits = _spread_pools(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
-    return token_ids(indices, weights.vocab), logits, pick_confidence(logits)
+    corrected = pool_logits[:, first_corrected:]
+    confidence = torch.cat([pick_confidence(base_logits[:, :first_corrected]), pick_confidence(corrected)], 1)
+    logits = _spread_pools(base_logits, corrected, pool_ids, first_corrected)
+    return token_ids(indices, weights.vocab), logits, confidence
 
 
 def greedy_head(

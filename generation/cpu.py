@@ -2,7 +2,7 @@
 
 Speculative decoding wins when a forward pass over a few tokens (a verify pass, a draft block) costs about one
 decode step, as it does on a GPU, where a small model is memory-bound. Eager `nn.Linear` on CPU sends every row
-count to one BLAS call whose kernels are tuned for one row and for many: 2-32 rows can cost several one-row calls
+count to one BLAS call whose kernels are tuned for one row and for many: 2-64 rows can cost several one-row calls
 although the weights are read once. Other layouts of the same weight do much better at those sizes: the weight
 transposed (`x @ W^T` as a plain row-major product) and oneDNN's blocked layout. Which wins depends on the CPU, the
 shape and the row count, so `optimize_for_cpu` times the three on the model's own weights, once per weight shape
@@ -13,17 +13,20 @@ Memory: each weight keeps its original tensor (state dicts and `save_pretrained`
 that won some row count: at most two extra copies of the linear weights, usually one.
 """
 
+import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..drafting import forget_draft_costs
+
 # Row counts timed per weight shape; a count between two uses the plan of the next one up, and a count above the
 # last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows.
-TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32)
+TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
 TIMING_REPEATS = 3  # the fastest of these runs counts, the others absorb the noise of a shared machine
 
 
@@ -78,19 +81,38 @@ class PlannedLinear:
 
 class CPUOptimization:
     """What `optimize_for_cpu` changed: every planned `nn.Linear`. `restore()` (or leaving the `with` block) puts the
-    eager forwards back; `plans` maps each weight shape `(out, in, dtype)` to its kernel per tuned row count."""
+    eager forwards back, `suspended()` for a while; `plans` maps each weight shape `(out, in, dtype, bias)` to its
+    kernel per tuned row count."""
 
-    def __init__(self, modules: list[nn.Linear], plans: dict[tuple, dict[int, str]]):
-        self.modules, self.plans = modules, plans
+    def __init__(self, models: list[nn.Module], planned: dict[nn.Linear, PlannedLinear], plans: dict[tuple, dict]):
+        self.models, self.planned, self.plans = models, planned, plans
+        self._forget_costs()
 
     @property
     def extra_bytes(self) -> int:
-        return sum(module.forward.extra_bytes() for module in self.modules if isinstance(module.forward, PlannedLinear))
+        return sum(forward.extra_bytes() for forward in self.planned.values())
 
     def restore(self) -> None:
-        for module in self.modules:
+        for module in self.planned:
             module.__dict__.pop("forward", None)  # the class's nn.Linear.forward again
-        self.modules = []
+        self.planned = {}
+        self._forget_costs()
+
+    def _forget_costs(self) -> None:
+        """The draft costs measured with these models (`drafting.measure_draft_costs`) timed other kernels."""
+        for model in self.models:
+            forget_draft_costs(model)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The eager forwards inside the block (to time eager decoding beside the prepared one), planned after."""
+        for module in self.planned:
+            module.__dict__.pop("forward", None)
+        try:
+            yield
+        finally:
+            for module, forward in self.planned.items():
+                module.forward = forward
 
     def __enter__(self) -> "CPUOptimization":
         return self
@@ -143,8 +165,8 @@ def plan_shape(modules: list[nn.Linear]) -> dict[int, str]:
     return plan
 
 
-def optimize_for_cpu(target: nn.Module, draft: nn.Module | None = None, verbose: bool = False) -> CPUOptimization:
-    """Make every `nn.Linear` of `target` (and `draft`) run each row count up to 32 with the fastest of three
+def optimize_for_cpu(target: nn.Module, *drafts: nn.Module, verbose: bool = False) -> CPUOptimization:
+    """Make every `nn.Linear` of `target` (and of `drafts`) run each row count up to 64 with the fastest of three
     layouts of its weight, timed here once per weight shape; in place, undone by `restore()`.
 
     Multi-token passes (verify passes, draft blocks, batches) get much cheaper on most CPUs, the one-token decode step
@@ -156,7 +178,7 @@ def optimize_for_cpu(target: nn.Module, draft: nn.Module | None = None, verbose:
         with optimize_for_cpu(target, draft):
             out = speculative_generate(target, draft, input_ids)
     """
-    models = [model for model in (target, draft) if model is not None]
+    models = [model for model in (target, *drafts) if model is not None]
     for model in models:
         devices = {p.device.type for p in model.parameters()}
         if devices != {"cpu"}:
@@ -167,14 +189,14 @@ def optimize_for_cpu(target: nn.Module, draft: nn.Module | None = None, verbose:
     by_shape: dict[tuple, list[nn.Linear]] = defaultdict(list)
     for module in _plain_linears(models):
         by_shape[(*module.weight.shape, module.weight.dtype, module.bias is not None)].append(module)
-    plans = {}
+    plans, planned = {}, {}
     for shape, modules in by_shape.items():
         plans[shape] = plan_shape(modules)
         for module in modules:
-            module.forward = PlannedLinear(module, plans[shape])
+            module.forward = planned[module] = PlannedLinear(module, plans[shape])
         if verbose:
             print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
-    return CPUOptimization([m for ms in by_shape.values() for m in ms], plans)
+    return CPUOptimization(models, planned, plans)
 
 
 __all__ = ["CPUOptimization", "optimize_for_cpu"]

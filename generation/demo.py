@@ -6,7 +6,9 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, TextStreamer
 
+from ..drafting import measure_draft_costs
 from ..modeling_domino import DominoDraftModel
+from .cpu import optimize_for_cpu
 from .engine import speculative_generate
 
 SHIPPED_DRAFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "domino-smollm2-135m")
@@ -27,6 +29,12 @@ def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, m
     stage(f"loading the draft from {draft_dir}")
     draft = DominoDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
     input_ids = torch.tensor([prompt_token_ids(tokenizer, [{"role": "user", "content": question}])])
+    if target.device.type == "cpu":
+        stage("timing three layouts of every weight for multi-token passes on this CPU (optimize_for_cpu)")
+        optimize_for_cpu(target, draft)
+    if draft.drafting_options.cost_aware(target.device):
+        stage("measuring what verifying 0 to all drafts of a block costs here (the cost-aware draft length)")
+        measure_draft_costs(target, draft)
     stage("warming up speculative and plain decoding (untimed)")
     for warmup_draft in (draft, None):  # untimed: each path's first-call costs (its own shapes) out of the timings
         speculative_generate(target, warmup_draft, input_ids, max_new_tokens=8)

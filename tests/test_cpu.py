@@ -33,6 +33,9 @@ def test_optimized_models_give_eager_logits_and_decode_losslessly(target):
         assert torch.equal(output.sequences, expected)
         for plan in optimization.plans.values():
             assert set(plan) == set(TUNED_ROW_COUNTS) and set(plan.values()) <= {"linear", "transposed", "onednn"}
+        with optimization.suspended():  # eager for a while, as the bench times eager generate
+            assert not _planned(target) and not _planned(draft)
+        assert len(_planned(target)) == sum(type(m) is nn.Linear for m in target.modules())
     assert not _planned(target) and not _planned(draft)  # restored on leaving the block
 
 

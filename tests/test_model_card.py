@@ -31,7 +31,13 @@ BENCH = {
             "prompts": 5,
         },
     ],
-    "config": {"prompts": {"gsm-symbolic": 5}, "max_new_tokens": 256, "greedy": True},
+    "config": {
+        "prompts": {"gsm-symbolic": 5},
+        "max_new_tokens": 256,
+        "greedy": True,
+        "methods": ["plain", "prompt-lookup", "domino"],
+        "method_descriptions": {"plain": "the target alone", "domino": "the Domino draft in the native engine"},
+    },
     "machine": {"device": "cpu"},
     "versions": {"transformers": "5.24.0"},
 }
@@ -65,7 +71,7 @@ def test_card_has_metadata_usage_training_and_acceptance(tmp_path):
     assert "domino-spec export --format sglang DRAFT_DIR OUT" in text
     assert "| gsm-symbolic | domino | 3.25 | 120.50 | 2.41x | 5/5 |" in text
     assert "at most 256 new tokens, the first 5 prompts of each set" in text
-    assert "prompt-lookup (transformers' prompt lookup decoding)" in text
+    assert "Methods: plain (the target alone), prompt-lookup, domino (the Domino draft in the native engine)." in text
     assert "| global_step | 100 |" in text and "| last logged loss | 1.5 |" in text
     assert 'draft.push_to_hub("me/smollm2-domino")' in text
     assert json.loads((folder / "training_summary.json").read_text())["global_step"] == 100

@@ -68,6 +68,6 @@ def test_demo_says_what_it_is_doing_at_each_stage(capsys):
     run_demo(question="What is 2 + 3?", max_new_tokens=16)
     lines = capsys.readouterr().out.splitlines()
     stages = [line for line in lines if line.startswith("[demo] ")]
-    assert [stage.split()[1] for stage in stages] == ["loading", "loading", "warming", "timing"]
-    assert lines.index(stages[2]) < next(i for i, line in enumerate(lines) if line.startswith("user: "))
+    assert [stage.split()[1] for stage in stages] == ["loading", "loading", "timing", "measuring", "warming", "timing"]
+    assert lines.index(stages[4]) < next(i for i, line in enumerate(lines) if line.startswith("user: "))
     assert "identical to plain decoding: True" in lines[-1]

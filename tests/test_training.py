@@ -598,7 +598,7 @@ def test_a_head_less_draft_trained_with_shift_label_false_is_servable_by_sglang(
     assert sglang_problems(build_draft(draft_args, target, tiny_tokenizer()).config)  # the default: shift_label=True
     draft_args, _ = parse_train_arguments(argv + ["--shift_label", "false"])
     assert sglang_problems(build_draft(draft_args, target, tiny_tokenizer()).config) == []
-    with pytest.raises(FileNotFoundError, match="no such folder, and not an asset name"):
+    with pytest.raises(FileNotFoundError, match="no such folder, and not a known name"):
         load_target(str(tmp_path / "missing"))
 
 
