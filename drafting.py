@@ -1,4 +1,5 @@
-"""Run-time options of drafting, and the cost-aware draft length: how many of a block's drafts to verify.
+"""Run-time options of drafting, the cost-aware draft length (how many of a block's drafts to verify), and compiled
+drafting.
 
 A verify pass over the anchor and k drafts takes `verify_seconds[k]`, which on a CPU grows with k, and commits in
 expectation `1 + sum_{i<=k} c_1 ... c_i` tokens, `c_i` the draft's confidence in its i-th token (the probability
@@ -14,6 +15,7 @@ transformers.
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,10 +153,45 @@ def measure_draft_costs(target, draft, context_length: int = 64, repeats: int = 
     return known[key]
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+class CompiledDrafting:
+    """What `DominoDraftModel.compile_drafting` builds: the compiled backbone and greedy head (not modules)."""
+
+    def __init__(self, backbone: Callable[..., torch.Tensor], greedy_head: Callable[..., tuple], mode: str,
+                 dynamic_backbone: bool):  # fmt: skip
+        self.mode, self.dynamic_backbone = mode, dynamic_backbone
+        # With dynamic shapes, CUDA graphs would still be recorded once per context length: compile without them.
+        backbone_mode = _WITHOUT_CUDA_GRAPHS.get(mode, mode) if dynamic_backbone else mode
+        self._backbone_graphs = backbone_mode in _WITHOUT_CUDA_GRAPHS
+        self._backbone = torch.compile(backbone, mode=backbone_mode, dynamic=dynamic_backbone)
+        self._greedy_head = torch.compile(greedy_head, mode=mode, dynamic=False)
+
+    def backbone(self, *args) -> torch.Tensor:
+        """`DominoDraftModel.backbone`, compiled."""
+        if not self._backbone_graphs:
+            return self._backbone(*args)
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._backbone(*args).clone()  # the head's graph must not read a buffer a later replay rewrites
+
+    def greedy_head(self, base_logits, draft_hidden, anchor_embeds, weights, *static) -> tuple[torch.Tensor, ...]:
+        """The greedy head (`head_domino.greedy_head`), compiled; returns tensors the caller owns."""
+        for tensor in weights:
+            if isinstance(tensor, torch.Tensor):
+                # Weights keep their address across calls: CUDA graphs read them in place instead of copying them
+                # into the graph's input buffers every call (parameters are marked so by torch.compile already).
+                torch._dynamo.mark_static_address(tensor)
+        torch.compiler.cudagraph_mark_step_begin()  # a new drafting round: earlier graph outputs may be overwritten
+        outputs = self._greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *static)
+        return tuple(output.clone() for output in outputs)  # the next replay overwrites a CUDA graph's outputs
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-__all__ = ["DRAFT_LENGTHS", "DraftCosts", "DraftingOptions", "choose_draft_length", "forget_draft_costs",
-           "measure_draft_costs"]  # fmt: skip
+__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "DraftCosts", "DraftingOptions", "choose_draft_length",
+           "forget_draft_costs", "measure_draft_costs"]  # fmt: skip

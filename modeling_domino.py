@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 
 from .cache_domino import DominoContextCache
 from .configuration_domino import DominoConfig, check_input_ids
-from .drafting import DraftingOptions
+from .drafting import COMPILE_MODES, CompiledDrafting, DraftingOptions
 from .generation_domino import DominoCandidateGenerator, candidate_generator
 from .head_domino import (
     Chooser,
@@ -798,7 +798,7 @@ class DominoDraftModel(PreTrainedModel):
             return self
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile_drafting: mode must be one of {list(COMPILE_MODES)} or None, got {mode!r}.")
-        self.__dict__["_compiled_drafting"] = CompiledDrafting(self.backbone, mode, dynamic_backbone)
+        self.__dict__["_compiled_drafting"] = CompiledDrafting(self.backbone, greedy_head, mode, dynamic_backbone)
         return self
 
     @property
@@ -814,44 +814,9 @@ class DominoDraftModel(PreTrainedModel):
                                    tokenizer)  # fmt: skip
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
-
-
-class CompiledDrafting:
-    """What `DominoDraftModel.compile_drafting` builds: the compiled backbone and greedy head (not modules)."""
-
-    def __init__(self, backbone: Callable[..., torch.Tensor], mode: str, dynamic_backbone: bool):
-        self.mode, self.dynamic_backbone = mode, dynamic_backbone
-        # With dynamic shapes, CUDA graphs would still be recorded once per context length: compile without them.
-        backbone_mode = _WITHOUT_CUDA_GRAPHS.get(mode, mode) if dynamic_backbone else mode
-        self._backbone_graphs = backbone_mode in _WITHOUT_CUDA_GRAPHS
-        self._backbone = torch.compile(backbone, mode=backbone_mode, dynamic=dynamic_backbone)
-        self._greedy_head = torch.compile(greedy_head, mode=mode, dynamic=False)
-
-    def backbone(self, *args) -> torch.Tensor:
-        """`DominoDraftModel.backbone`, compiled."""
-        if not self._backbone_graphs:
-            return self._backbone(*args)
-        torch.compiler.cudagraph_mark_step_begin()
-        return self._backbone(*args).clone()  # the head's graph must not read a buffer a later replay rewrites
-
-    def greedy_head(self, base_logits, draft_hidden, anchor_embeds, weights, *static) -> tuple[torch.Tensor, ...]:
-        """`head_domino.greedy_head`, compiled; returns tensors the caller owns."""
-        for tensor in weights:
-            if isinstance(tensor, torch.Tensor):
-                # Weights keep their address across calls: CUDA graphs read them in place instead of copying them
-                # into the graph's input buffers every call (parameters are marked so by torch.compile already).
-                torch._dynamo.mark_static_address(tensor)
-        torch.compiler.cudagraph_mark_step_begin()  # a new drafting round: earlier graph outputs may be overwritten
-        outputs = self._greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *static)
-        return tuple(output.clone() for output in outputs)  # the next replay overwrites a CUDA graph's outputs
-
-
 DominoDraftModel.register_for_auto_class("AutoModel")  # save_pretrained then writes `auto_map` and copies the code
 
 __all__ = [
-    "CompiledDrafting",
     "DominoBlock",
     "DominoContextCache",
     "DominoDraft",

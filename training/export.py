@@ -2,7 +2,7 @@
 
     domino-spec export --format sglang DIR OUT
 
-`sglang` writes the published Domino layout (DESIGN.md section 2): bf16 weights under the published names and a
+`sglang` writes the published Domino layout (`published_format.py`): bf16 weights under the published names and a
 `config.json` with `model_type: "qwen3"` and `dflash_config` (`projector_type: "domino"`), or the z-lab DFlash layout
 when the draft has no Domino head. SGLang serves it with `--speculative-algorithm DFLASH`. The folder also keeps our
 model files, so `AutoModel.from_pretrained(OUT, trust_remote_code=True)` (transformers >= 5.24) and
