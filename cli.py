@@ -126,6 +126,10 @@ class DraftArguments:
         },
     )
     init_from: str | None = field(default=None, metadata={"help": "Start from this draft folder instead of random."})
+    init_from_target_layers: bool = field(
+        default=False,
+        metadata={"help": "Start a fresh draft's layers as the target's last layers (the weights they share)."},
+    )
     max_length: int = field(default=3072, metadata={"help": "Training sequence length cap."})
     features: str | None = field(
         default=None, metadata={"help": "Folder of precomputed target features (domino-spec cache-features)."}
@@ -186,7 +190,11 @@ def build_draft(draft_args: DraftArguments, target, tokenizer, dataset=None) -> 
     if shape.get("draft_vocab_size") is not None:
         vocab_size = target.get_input_embeddings().weight.shape[0]
         shape["draft_vocab"] = draft_vocabulary(dataset, shape.pop("draft_vocab_size"), vocab_size)
-    return DominoDraftModel.from_target(target, tokenizer=tokenizer, **shape).float()
+    draft = DominoDraftModel.from_target(target, tokenizer=tokenizer, **shape)
+    if draft_args.init_from_target_layers:
+        num_target_layers = target.config.get_text_config().num_hidden_layers
+        draft.copy_target_layers(target, list(range(num_target_layers - len(draft.layers), num_target_layers)))
+    return draft.float()
 
 
 def parse_train_arguments(
@@ -328,7 +336,8 @@ def draft_vocab(argv: list[str]) -> None:
         raise FileNotFoundError(f"--data {args.data}: no such file (make one with `domino-spec generate-data`)")
     draft = DominoDraftModel.from_pretrained(args.draft_dir)
     dataset = load_training_dataset(args.data)
-    draft.with_draft_vocab(draft_vocabulary(dataset, args.size, draft.config.vocab_size)).save_pretrained(args.output_dir)
+    token_ids = draft_vocabulary(dataset, args.size, draft.config.vocab_size)
+    draft.with_draft_vocab(token_ids).save_pretrained(args.output_dir)
     print(f"wrote a draft of {args.size} draft tokens (of {draft.config.vocab_size}) to {args.output_dir}")
 
 

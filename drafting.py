@@ -145,10 +145,10 @@ def measure_draft_costs(target, draft, context_length: int = 64, repeats: int = 
     anchor, anchor_position = context[:, context_length - 1], positions[:, -1]
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     new_features, new_position = features[:, -1:], positions[:, -1:]
-    draft_seconds = seconds(
-        lambda: draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_position),
-        lambda: draft_cache.crop(-1),
-    )
+    def draft_round():
+        draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_position)
+
+    draft_seconds = seconds(draft_round, lambda: draft_cache.crop(-1))
     known[key] = DraftCosts(tuple(verify), draft_seconds)
     return known[key]
 

@@ -359,7 +359,9 @@ class DominoHead(nn.Module):
         )
         up_columns = None
         if whole_vocabulary or not options.candidate_pool:  # in the logits' dtype, so no slot converts [R, V] again
-            up_columns = self.derived.get(f"up_columns_{logits_dtype}", (up,), lambda: up.t().to(logits_dtype).contiguous())
+            up_columns = self.derived.get(
+                f"up_columns_{logits_dtype}", (up,), lambda: up.t().to(logits_dtype).contiguous()
+            )
         gate_table = self._gate_table(embed_tokens, vocab, options.gate_table_max_bytes)
         return HeadWeights(weight_ih, embed_tokens, vocab, gate_table, state_weight, down, up, up_columns)
 

@@ -339,6 +339,23 @@ class DominoDraftModel(PreTrainedModel):
         return draft.to(device=target.device)
 
     @torch.no_grad()
+    def copy_target_layers(self, target: PreTrainedModel, layer_ids: list[int]) -> None:
+        """Start draft layer i as target layer `layer_ids[i]`: every weight the two share by name and shape (the
+        attention and MLP projections, the norms). A draft layer's own `q_norm`/`k_norm` stay as they are where the
+        target has none (Llama)."""
+        target_layers = target.get_decoder().layers
+        if len(layer_ids) != len(self.layers) or not all(0 <= i < len(target_layers) for i in layer_ids):
+            raise ValueError(
+                f"copy_target_layers needs one target layer in [0, {len(target_layers) - 1}] per draft layer "
+                f"({len(self.layers)}), got {layer_ids}."
+            )
+        for layer, index in zip(self.layers, layer_ids):
+            source = dict(target_layers[index].named_parameters())
+            for name, parameter in layer.named_parameters():
+                if name in source and source[name].shape == parameter.shape:
+                    parameter.copy_(source[name])
+
+    @torch.no_grad()
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Make `token_ids` (the draft's `draft_vocab_size` distinct ids, most frequent first) the draft vocabulary."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
@@ -357,7 +374,9 @@ class DominoDraftModel(PreTrainedModel):
         head's `W_up` rows of those tokens. Without a candidate pool it drafts what this one drafts wherever this
         one's pick is among them."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
-        current = self.vocab if self.vocab is not None else torch.arange(self.config.vocab_size, device=token_ids.device)
+        current = self.vocab
+        if current is None:
+            current = torch.arange(self.config.vocab_size, device=token_ids.device)
         row_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
         row_of[current] = torch.arange(current.numel(), device=token_ids.device)
         rows = row_of[token_ids.clamp(0, self.config.vocab_size - 1)]
@@ -535,7 +554,9 @@ class DominoDraftModel(PreTrainedModel):
             return lm_head(hidden)
         if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
             return lm_head(hidden)[..., vocab]
-        weight = self.derived.get("draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight[vocab].t().contiguous())
+        weight = self.derived.get(
+            "draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight[vocab].t().contiguous()
+        )  # [D, V]
         logits = hidden @ weight  # [..., V]
         return logits if lm_head.bias is None else logits + lm_head.bias[vocab]
 

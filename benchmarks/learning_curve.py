@@ -1,0 +1,208 @@
+"""Learning curves of draft recipes: held-out acceptance against training examples and CPU-hours.
+
+Each variant (flags of `domino-spec train` on top of `--config`) trains once, with a checkpoint every `--eval-every`
+steps; every checkpoint is then scored twice:
+
+- acceptance proxy: the training loss's metrics on held-out regenerated data (`eval_acceptance_final`: 1 + the run
+  of leading slots whose argmax is the target's token, from `DominoTrainer.evaluate`, anchors fixed by the seed);
+- tau: the mean acceptance length of the real engine (`speculative_generate`, greedy, every draft verified) on the
+  first `--tau-prompts` prompts of each bench set, `--tau-tokens` new tokens each.
+
+The x axes are the training examples seen and the CPU-hours the training process spent to reach the checkpoint (its
+wall time, read from the checkpoint's files, times the torch threads). Every variant reads the same data in the same
+order with the same seed. Rerunning skips the training and scoring already done. Prints a table and writes the
+results (JSON), a Markdown table and a figure beside `--output`.
+
+    python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data runs/smollm2/data.jsonl \\
+        --features runs/smollm2/features --eval-data runs/smollm2/held_out.jsonl --steps 3000 --eval-every 500 \\
+        --variant "shipped=" --variant "vocab8k=--draft_vocab_size 8192" --runs runs/curves \\
+        --output benchmarks/results/learning_curve_smollm2-135m.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from domino_spec import DominoDraftModel, DraftingOptions
+from domino_spec.cli import load_checked_data, parse_train_arguments
+from domino_spec.generation import speculative_generate
+from domino_spec.generation.eval_sets import EVAL_SETS, eval_prompts
+from domino_spec.targets import eos_token_ids, load_target, prompt_token_ids
+from domino_spec.training.collator import DominoDataCollator
+from domino_spec.training.trainer import DominoTrainer
+
+STARTED = "started.json"  # in a variant's run folder: when its training began, to time its checkpoints
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the recipe YAML every variant starts from")
+    parser.add_argument("--data", required=True, help="regenerated training data (.jsonl)")
+    parser.add_argument("--features", default=None, help="a feature store of --data (domino-spec cache-features)")
+    parser.add_argument("--eval-data", required=True, help="held-out regenerated data (.jsonl) for the proxy")
+    parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
+                        help="a curve: its name and the train flags it adds (repeatable)")  # fmt: skip
+    parser.add_argument("--steps", type=int, required=True, help="training steps of every variant")
+    parser.add_argument("--eval-every", type=int, required=True, help="steps between scored checkpoints")
+    parser.add_argument("--tau-prompts", type=int, default=3, help="prompts of each bench set for tau")
+    parser.add_argument("--tau-tokens", type=int, default=128, help="new tokens per prompt for tau")
+    parser.add_argument("--runs", default="runs/curves", help="folder of the variants' training runs")
+    parser.add_argument("--output", type=Path, required=True, help="results JSON (.md and .png beside it)")
+    args = parser.parse_args(argv)
+    args.variant = dict(variant.split("=", 1) for variant in args.variant)
+    return args
+
+
+def train_flags(args: argparse.Namespace, name: str) -> list[str]:
+    flags = ["--config", args.config, "--data", args.data, "--output", os.path.join(args.runs, name)]
+    flags += ["--max_steps", str(args.steps), "--save_steps", str(args.eval_every), "--save_total_limit", "100"]
+    flags += ["--features", args.features] if args.features else []
+    return flags + shlex.split(args.variant[name])
+
+
+def train(args: argparse.Namespace, name: str) -> None:
+    """Run (or resume) the variant's training in its own process, noting when it began."""
+    folder = Path(args.runs) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    started = folder / STARTED
+    if not started.exists():
+        started.write_text(json.dumps({"time": time.time()}))
+    command = [sys.executable, "-m", "domino_spec.cli", "train", *train_flags(args, name)]
+    print("+ " + shlex.join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
+def checkpoints(args: argparse.Namespace, name: str) -> list[Path]:
+    folder = Path(args.runs) / name
+    found = [path for path in folder.glob("checkpoint-*") if path.name.removeprefix("checkpoint-").isdigit()]
+    return sorted(found, key=lambda path: int(path.name.removeprefix("checkpoint-")))
+
+
+def cpu_hours(args: argparse.Namespace, name: str, checkpoint: Path) -> float:
+    """Hours of the training process's threads up to the save of `checkpoint` (a resumed run's pauses excluded only
+    if it never paused: the wall time between the start and the save)."""
+    started = json.loads((Path(args.runs) / name / STARTED).read_text())["time"]
+    wall = (checkpoint / "trainer_state.json").stat().st_mtime - started
+    return wall * torch.get_num_threads() / 3600
+
+
+@torch.no_grad()
+def tau(draft, target, prompts: list[torch.Tensor], eos: list[int], max_new_tokens: int) -> float:
+    """Tokens committed per verify pass of the native engine, greedy, every draft verified."""
+    options = DraftingOptions(draft_length="full")
+    rounds = []
+    for input_ids in prompts:
+        output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                      options=options)  # fmt: skip
+        rounds += output.acceptance_lengths[0]
+    return sum(rounds) / len(rounds)
+
+
+def proxy(args: argparse.Namespace, name: str, draft, target, tokenizer, eval_dataset) -> dict:
+    """`DominoTrainer.evaluate` of the checkpoint on the held-out data: the training loss's metrics."""
+    _, training_args = parse_train_arguments(train_flags(args, name) + ["--report_to", "none"])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = DominoTrainer(model=draft, target=target, args=training_args, eval_dataset=eval_dataset,
+                            data_collator=DominoDataCollator(pad_id, training_args.num_anchors))  # fmt: skip
+    metrics = trainer.evaluate()
+    return {key.removeprefix("eval_"): round(value, 4) for key, value in metrics.items()
+            if key in ("eval_loss", "eval_acceptance_base", "eval_acceptance_final")}  # fmt: skip
+
+
+def score(args: argparse.Namespace, results: dict) -> None:
+    """Score every checkpoint of every variant not scored yet, writing the results after each."""
+    target, tokenizer = load_target(parse_train_arguments(train_flags(args, next(iter(args.variant))))[0].target)
+    eval_dataset = load_checked_data(args.eval_data, target, tokenizer, max_length=1024).remove_columns("index")
+    eos = eos_token_ids(target, tokenizer)
+    prompts = [torch.tensor([prompt_token_ids(tokenizer, item["messages"])])
+               for name in EVAL_SETS for item in eval_prompts(name, args.tau_prompts)]  # fmt: skip
+    for name in args.variant:
+        points = results["curves"].setdefault(name, {})
+        for checkpoint in checkpoints(args, name):
+            if checkpoint.name in points:
+                continue
+            draft = DominoDraftModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+            state = json.loads((checkpoint / "trainer_state.json").read_text())
+            points[checkpoint.name] = {
+                "step": state["global_step"],
+                "examples": state["global_step"] * state["train_batch_size"],
+                "epoch": round(state["epoch"], 3),
+                "cpu_hours": round(cpu_hours(args, name, checkpoint), 3),
+                **proxy(args, name, draft, target, tokenizer, eval_dataset),
+                "tau": round(tau(draft, target, prompts, eos, args.tau_tokens), 3),
+            }
+            print(f"{name} {checkpoint.name}: {points[checkpoint.name]}", flush=True)
+            write(args.output, results)
+
+
+def markdown(results: dict) -> str:
+    lines = ["| variant | step | examples | epoch | CPU-hours | eval loss | proxy (base) | proxy (final) | tau |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, points in results["curves"].items():
+        for point in sorted(points.values(), key=lambda point: point["step"]):
+            lines.append(f"| {name} | {point['step']} | {point['examples']} | {point['epoch']} | {point['cpu_hours']} | "
+                         f"{point['loss']} | {point['acceptance_base']} | {point['acceptance_final']} | "
+                         f"{point['tau']} |")  # fmt: skip
+    flags = "\n".join(f"- {name}: `{flags or '(the recipe)'}`" for name, flags in results["variants"].items())
+    return f"# Learning curves\n\n{results['settings']}\n\n{flags}\n\n" + "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, points in results["curves"].items():
+        points = sorted(points.values(), key=lambda point: point["step"])
+        axes[0].plot([p["examples"] for p in points], [p["tau"] for p in points], marker="o", label=name)
+        axes[1].plot([p["cpu_hours"] for p in points], [p["tau"] for p in points], marker="o", label=name)
+        axes[2].plot([p["examples"] for p in points], [p["acceptance_final"] for p in points], marker="o", label=name)
+    axes[0].set(xlabel="training examples seen", ylabel="tau (bench prompts, greedy)")
+    axes[1].set(xlabel="CPU-hours of training", ylabel="tau (bench prompts, greedy)")
+    axes[2].set(xlabel="training examples seen", ylabel="held-out acceptance proxy (final logits)")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write(output: Path, results: dict) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=1) + "\n")
+    output.with_suffix(".md").write_text(markdown(results))
+    plot(results, output.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    results = json.loads(args.output.read_text()) if args.output.exists() else {"curves": {}}
+    results["variants"] = args.variant
+    results["settings"] = (
+        f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps, scored every "
+        f"{args.eval_every}; tau on the first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens. "
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch "
+        f"{torch.__version__}, transformers {transformers.__version__}."
+    )
+    for name in args.variant:
+        train(args, name)
+    score(args, results)
+    write(args.output, results)
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
