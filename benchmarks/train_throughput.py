@@ -1,8 +1,9 @@
 """Training throughput of a Domino draft: sequence tokens per second through DominoTrainer.
 
 Runs a few optimizer steps on random sequences (the cost does not depend on the tokens) with the target's features
-computed online, and again with features precomputed into a FeatureStore (the target pass moved out of the step).
-Prints a table and writes JSON + Markdown.
+computed online, and again with features precomputed into a FeatureStore (the target pass moved out of the step),
+and with the store for each draft vocabulary size of `--draft-vocab-sizes` (the loss's logits cover only those
+tokens). Prints a table and writes JSON + Markdown.
 
     python benchmarks/train_throughput.py --target tiny
     python benchmarks/train_throughput.py --target smollm2-135m --draft-layers 1 --block-size 8 --num-anchors 32 \
@@ -45,10 +46,12 @@ def random_dataset(vocab_size: int, count: int, length: int, prompt_length: int,
     return datasets.Dataset.from_list(rows)
 
 
-def time_training(target, dataset, args, feature_store: FeatureStore | None) -> float:
-    """Seconds per optimizer step, after one untimed warmup step."""
+def time_training(target, dataset, args, feature_store: FeatureStore | None, draft_vocab_size: int = 0) -> float:
+    """Seconds per optimizer step, after one untimed warmup step; a draft vocabulary of its first ids, when sized."""
     torch.manual_seed(args.seed)
-    draft = DominoDraftModel.from_target(target, num_hidden_layers=args.draft_layers, block_size=args.block_size)
+    draft_vocab = torch.arange(draft_vocab_size) if draft_vocab_size else None
+    draft = DominoDraftModel.from_target(target, num_hidden_layers=args.draft_layers, block_size=args.block_size,
+                                         draft_vocab=draft_vocab)  # fmt: skip
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = DominoTrainingArguments(
             output_dir=output_dir,
@@ -88,6 +91,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--length", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    parser.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[],
+                        help="also time the feature-store steps with these draft vocabulary sizes")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("train_throughput.json"))
@@ -107,9 +112,13 @@ def main() -> None:
         store = FeatureStore.build(target, dataset, layer_ids, store_dir)
         feature_seconds = (time.perf_counter() - start) / len(dataset)
         stored = time_training(target, dataset, args, store)
+        by_vocab = {size: time_training(target, dataset, args, store, size) for size in args.draft_vocab_sizes}
     rows = {
         "online features": {"seconds_per_step": online, "tokens_per_s": tokens_per_step / online},
         "feature store": {"seconds_per_step": stored, "tokens_per_s": tokens_per_step / stored},
+        **{f"feature store, draft vocabulary {size}": {"seconds_per_step": seconds, "tokens_per_s":
+                                                          tokens_per_step / seconds}
+           for size, seconds in by_vocab.items()},  # fmt: skip
         "feature store build (per sequence)": {
             "seconds_per_step": feature_seconds, "tokens_per_s": args.length / feature_seconds,
         },
