@@ -16,16 +16,24 @@ set DOMINO_SPEC_TRACEBACK=1 to see the traceback. Ctrl-C ends with status 130.
 `--config recipe.yaml`, whose keys are the same flag names; flags on the command line win over the file.
 """
 
-import argparse
-import difflib
-import json
 import os
-import sys
-from dataclasses import dataclass, field
 
-import torch
-import yaml
-from transformers import HfArgumentParser, set_seed
+# OpenMP threads wait for work by spinning: on an idle machine that makes a decode step ~20% faster than waiting
+# passively, but beside another busy process it takes the CPU from it and a step took 3-4x as long (BENCHMARKS.md).
+# So wait passively when the machine is already busy; set before torch starts its threads; what the user set wins.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ and hasattr(os, "getloadavg"):
+    if os.getloadavg()[0] >= (os.cpu_count() or 1) / 2:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+import argparse  # noqa: E402
+import difflib  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers import HfArgumentParser, set_seed  # noqa: E402
 
 from .assets import MissingAssetError
 from .configuration_domino import DominoConfig

@@ -12,7 +12,6 @@ Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code
 transformers.
 """
 
-import statistics
 import time
 import weakref
 from collections.abc import Callable
@@ -98,6 +97,45 @@ def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts) -> int:
     return num_drafts
 
 
+class DraftGate:
+    """Whether a round should draft at all, the cost-aware draft length's zero: a round that drafts pays the drafting
+    round even when it then verifies no draft.
+
+    It expects the next round's confidences to be the recent ones (an average that halves the weight of each older
+    round) and drafts when a round with those would commit more tokens per second than a plain decode step. Skipping,
+    it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. Every decision depends on earlier rounds only, so
+    sampling stays exact.
+    """
+
+    MAX_SKIPPED = 16
+
+    def __init__(self, costs: DraftCosts):
+        self.costs = costs
+        self.expected: torch.Tensor | None = None  # [S]: the recent confidences, per draft position
+        self.skipped, self.wait = 0, 1
+
+    def should_draft(self) -> bool:
+        return self.expected is None or self.skipped >= self.wait or self._pays()
+
+    def update(self, confidence: torch.Tensor | None) -> None:
+        """After a round: `confidence` `[B, S]` of its drafts, None if it skipped drafting."""
+        if confidence is None:
+            self.skipped += 1
+            return
+        recent = confidence.double().mean(0).cpu()
+        self.expected = recent if self.expected is None else (self.expected + recent) / 2
+        self.skipped = 0
+        self.wait = 1 if self._pays() else min(2 * self.wait, self.MAX_SKIPPED)
+
+    def _pays(self) -> bool:
+        """Whether a round of the expected confidences commits more tokens per second than a plain decode step."""
+        confidence = self.expected[None]
+        length = choose_draft_length(confidence, self.costs)
+        tokens = 1 + float(confidence[0, :length].cumprod(0).sum())
+        seconds = self.costs.draft_seconds + max(self.costs.verify_seconds[: length + 1])
+        return tokens / seconds > 1 / self.costs.verify_seconds[0]
+
+
 _measured: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -107,10 +145,10 @@ def forget_draft_costs(target: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def measure_draft_costs(target, draft, context_length: int = 64, repeats: int = 5) -> DraftCosts:
+def measure_draft_costs(target, draft, context_length: int = 64, repeats: int = 7) -> DraftCosts:
     """Time a verify pass over the anchor and k drafts for k = 0..S, and a drafting round, after a random context
-    of `context_length` tokens; the median of `repeats` runs each. Measured once per target and draft in a process
-    (a few forward passes; `forget_draft_costs` measures again)."""
+    of `context_length` tokens; the fastest of `repeats` runs each (on a shared machine the others carry its noise).
+    Measured once per target and draft in a process (a few forward passes; `forget_draft_costs` measures again)."""
     known = _measured.setdefault(target, {})
     key = (id(draft), draft.config.num_draft_tokens, str(target.device), target.dtype)
     if key in known:
@@ -131,7 +169,7 @@ def measure_draft_costs(target, draft, context_length: int = 64, repeats: int = 
             _synchronize(device)
             times.append(time.perf_counter() - start)
             undo()
-        return statistics.median(times[1:])
+        return min(times[1:])
 
     verify = []
     for num_drafts in range(draft.config.num_draft_tokens + 1):
@@ -193,5 +231,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "DraftCosts", "DraftingOptions", "choose_draft_length",
-           "forget_draft_costs", "measure_draft_costs"]  # fmt: skip
+__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "DraftCosts", "DraftGate", "DraftingOptions",
+           "choose_draft_length", "forget_draft_costs", "measure_draft_costs"]  # fmt: skip

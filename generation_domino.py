@@ -23,7 +23,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_domino import DominoContextCache
 from .configuration_domino import check_input_ids
-from .drafting import choose_draft_length, measure_draft_costs
+from .drafting import DraftGate, choose_draft_length, measure_draft_costs
 from .transformers_compat import croppable_cache, passed_cache
 
 
@@ -94,9 +94,10 @@ class DominoCandidateGenerator(CandidateGenerator):
             if self.do_sample:
                 mask = StopStringDraftMask(self.stop_strings)
                 self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
-        self.costs = None
+        self.costs = self.gate = None
         if self.options.cost_aware(draft.device):
             self.costs = self.options.draft_costs or measure_draft_costs(target, draft)
+            self.gate = DraftGate(self.costs)
 
     def get_candidates(
         self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
@@ -122,6 +123,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         else:
             positions = torch.arange(input_ids.shape[1], device=device)[None]
             context_mask = None
+        if self.gate is not None and not self.gate.should_draft():  # the context only: the next round needs it
+            self.draft.extend_context(self.cache, target_hidden.to(device), positions[:, cached:-1], context_mask)
+            self.gate.update(None)
+            return input_ids, None
         draft = self.draft.draft_block(
             anchor_ids=input_ids[:, -1].to(device),
             anchor_position_ids=positions[:, -1],
@@ -136,7 +141,8 @@ class DominoCandidateGenerator(CandidateGenerator):
             prefix_ids=input_ids.to(device),
             options=self.options,
         )
-        if self.costs is not None:
+        if self.gate is not None:
+            self.gate.update(draft.confidence)
             num_candidates = min(num_candidates, choose_draft_length(draft.confidence, self.costs))
         num_candidates = self._cut_at_stop(input_ids, draft.tokens, num_candidates)
         if num_candidates == 0:

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
 from ..configuration_domino import check_input_ids
-from ..drafting import DraftCosts, DraftingOptions, choose_draft_length, measure_draft_costs
+from ..drafting import DraftCosts, DraftGate, DraftingOptions, choose_draft_length, measure_draft_costs
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 
@@ -260,6 +260,7 @@ def speculative_generate(
     max_slots = input_ids.shape[1] + max_new_tokens * (setup.num_drafts + 1)  # every round's rejected drafts kept
     cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
     draft_cache = DominoContextCache()
+    gate = DraftGate(setup.costs) if setup.costs is not None else None  # whether a round drafts at all
     if streamer is not None:
         streamer.put(input_ids.cpu())
     rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
@@ -271,8 +272,10 @@ def speculative_generate(
     while rows.index.numel() > 0:
         budget = max_new_tokens - rows.num_generated  # [B] tokens each row may still commit, >= 1
         num_drafts = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
+        if gate is not None and not gate.should_draft():
+            num_drafts = 0
         tick = clock()
-        draft_tokens, draft_logits = _draft(setup, rows, draft_cache, num_drafts)  # [B, S], [B, S, V]
+        draft_tokens, draft_logits = _draft(setup, rows, draft_cache, num_drafts, gate)  # [B, S], [B, S, V]
         num_drafts = draft_tokens.shape[1]
         tock = clock()
         outputs, verify_positions = _verify(setup, rows, draft_tokens, cache)
@@ -385,7 +388,7 @@ def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, s
     return rows
 
 
-def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_drafts: int):
+def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_drafts: int, gate: DraftGate | None):
     """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts), at
     most `num_drafts` of them: fewer where the cost-aware draft length says more would not pay.
 
@@ -394,9 +397,11 @@ def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_draf
     draft = setup.draft
     if draft is None:
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
-    if num_drafts == 0:  # every row has one token left: only keep the draft cache aligned
+    if num_drafts == 0:  # no round to draft (one token left, or the gate's call): only keep the draft cache aligned
         draft.extend_context(draft_cache, rows.features, rows.feature_positions, rows.feature_mask)
         rows.features = rows.feature_positions = rows.feature_mask = None
+        if gate is not None:
+            gate.update(None)
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
     block = draft.draft_block(
         anchor_ids=rows.anchor,
@@ -413,7 +418,8 @@ def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_draf
         options=setup.options,
     )
     rows.features = rows.feature_positions = rows.feature_mask = None
-    if setup.costs is not None:
+    if gate is not None:
+        gate.update(block.confidence)
         num_drafts = min(num_drafts, choose_draft_length(block.confidence, setup.costs))
     return block.tokens[:, :num_drafts], block.logits[:, :num_drafts]
 
