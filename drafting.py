@@ -6,7 +6,9 @@ expectation `1 + sum_{i<=k} c_1 ... c_i` tokens, `c_i` the draft's confidence in
 its distribution gives its most likely token). `choose_draft_length` adds drafts while they raise the expected
 tokens per second of the round, `(1 + sum ...) / (draft_seconds + verify_seconds[k])`. Whether draft i is verified
 depends on the confidences of drafts 1..i only, which are properties of the distributions the draft samples from,
-never of a sampled token: a stopping rule, under which exact speculative sampling stays exact.
+never of a sampled token: a stopping rule, under which exact speculative sampling stays exact. A round drafts at all
+only when rounds like the recent ones beat a plain decode step (`DraftGate`): it would pay for the drafting round
+even if it then verified no draft.
 
 Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and
 transformers.
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .cache_domino import DominoContextCache
-from .transformers_compat import cache_keyword, new_dynamic_cache
 from .head_step_triton import kernel_runs_on, triton_available
+from .transformers_compat import cache_keyword, new_dynamic_cache
 
 DRAFT_LENGTHS = ("auto", "cost", "full")  # auto: cost-aware on CPU, the whole block elsewhere
 

@@ -3,9 +3,10 @@
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
+from speculative_helpers import draft_from_scratch
 
 from domino_spec import DraftCosts, DraftingOptions
-from domino_spec.drafting import choose_draft_length, measure_draft_costs
+from domino_spec.drafting import DraftGate, choose_draft_length, measure_draft_costs
 from domino_spec.generation import speculative_generate
 
 # A CPU-like round: verifying costs more with every draft, a drafting round a fifth of a decode step.
@@ -76,3 +77,52 @@ def test_greedy_decoding_with_the_cost_aware_length_is_lossless_and_verifies_few
             assert torch.equal(hf, expected)
             per_round.append(output.drafts_verified / output.num_rounds)
     assert sum(drafts_per_round["cost"]) < sum(drafts_per_round["full"])
+
+
+def test_the_gate_skips_drafting_while_recent_rounds_do_not_pay_and_looks_again_ever_later():
+    gate = DraftGate(STEEP)
+    unsure, sure = torch.full((1, 4), 0.05), torch.full((1, 4), 0.9)
+    decisions = []
+    for _ in range(16):
+        drafts = gate.should_draft()
+        decisions.append("D" if drafts else ".")
+        gate.update(unsure if drafts else None)
+    assert "".join(decisions) == "D..D....D" + "." * 7  # the first round drafts; then after 2, 4, 8 skipped rounds
+    assert not gate.should_draft()
+    gate.skipped = gate.wait  # its next look: a sure round brings drafting back every round
+    assert gate.should_draft()
+    gate.update(sure)
+    assert all(gate.should_draft() for _ in range(3))
+
+
+def test_with_the_gate_a_round_that_skips_drafting_keeps_the_draft_context_whole():
+    """After skipped rounds the draft catches up on the context it did not read: its blocks are a fresh draft's."""
+    target = tiny_target("qwen3", dtype=torch.float64)
+    draft = tiny_draft(target, block_size=6).to(torch.float64)
+    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=STEEP)  # a random draft: mostly skips
+    rounds = []
+
+    def recording_draft_block(**kwargs):
+        block = type(draft).draft_block(draft, **kwargs)
+        rounds.append((int(kwargs["anchor_position_ids"][0]), block))
+        return block
+
+    for seed in range(3):
+        input_ids = torch.randint(0, 100, (1, 6 + seed), generator=torch.Generator().manual_seed(seed))
+        expected = target.generate(input_ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
+        for path in ("native", "hf"):
+            rounds.clear()
+            draft.draft_block = recording_draft_block
+            if path == "native":
+                output = speculative_generate(target, draft, input_ids, max_new_tokens=32, eos_token_id=[])
+                assert output.drafts_verified < output.num_rounds  # skipped rounds verify no draft
+                sequences = output.sequences
+            else:
+                sequences = target.generate(input_ids, max_new_tokens=32, do_sample=False, pad_token_id=0,
+                                            assistant_model=draft)  # fmt: skip
+            del draft.draft_block
+            assert torch.equal(sequences, expected)
+            assert 1 < len(rounds) < 31, len(rounds)  # some rounds drafted, some skipped
+            for anchor_position, block in rounds:
+                fresh = draft_from_scratch(draft, target, sequences[:, : anchor_position + 1])
+                assert torch.equal(block.tokens, fresh.tokens), (path, anchor_position)
