@@ -39,7 +39,7 @@ from .assets import MissingAssetError
 from .configuration_domino import DominoConfig
 from .drafting import DRAFT_LENGTHS, DraftingOptions
 from .modeling_domino import DominoDraftModel
-from .targets import load_target
+from .targets import load_target, pad_token_id
 from .training.checkpoints import check_resumable, checkpoint_to_resume, final_draft_problem, finished_at
 from .training.export import main as export_main
 from .training.model_card import check_draft_folder, draft_config
@@ -149,8 +149,6 @@ class DraftArguments:
             "or once after training when that is 'no'."
         },
     )
-
-
 
 
 def draft_shape(draft_args: DraftArguments) -> dict:
@@ -273,7 +271,7 @@ def train(argv: list[str]) -> None:
     if draft_args.features:
         feature_store = FeatureStore(draft_args.features)
         feature_store.check(dataset, draft.config.target_layer_ids, target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     trainer = DominoTrainer(
         model=draft,
         target=target,

@@ -4,6 +4,8 @@ This file is copied into every saved checkpoint (``trust_remote_code``), so it i
 torch and transformers.
 """
 
+import warnings
+
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import RopeParameters
@@ -23,8 +25,8 @@ def default_target_layer_ids(num_target_layers: int, num_tapped_layers: int) -> 
     return [round(FIRST_TAPPED_LAYER + i * span / (num_tapped_layers - 1)) for i in range(num_tapped_layers)]
 
 
-# Drafting options older configs saved (now `DraftingOptions`): dropped when such a config is read.
-RUN_TIME_OPTIONS = ("head_candidate_pool", "fused_head_step", "gru_input_table_max_bytes")
+# Drafting options older configs saved (now `DraftingOptions`), with their defaults: dropped when such a config is read.
+RUN_TIME_OPTIONS = {"head_candidate_pool": 0, "fused_head_step": False, "gru_input_table_max_bytes": 256 * 2**20}
 
 
 def _is_integer(value) -> bool:
@@ -42,6 +44,7 @@ def _check(condition: bool, field: str, value, expected: str) -> None:
         raise ValueError(f"DominoConfig.{field}={value!r} is invalid: expected {expected}.")
 
 
+# Below the model, the generate glue and the engine alike, which all check the ids they are given with it.
 def check_input_ids(input_ids, vocab_size: int) -> None:
     """Raise `ValueError` unless `input_ids` is a `[B, T]` batch of at least one row of at least one token, every id in
     `[0, vocab_size)`: an empty batch would fail in a reshape, an id out of range in the embedding lookup (an
@@ -122,8 +125,14 @@ class DominoConfig(PretrainedConfig):
     attribute_map = {"emb_dim": "residual_rank", "pure_draft_prefix_len": "first_corrected_slot"}
 
     def __post_init__(self, **kwargs):
-        for name in RUN_TIME_OPTIONS:  # older configs saved the drafting options: they are arguments now
-            kwargs.pop(name, None)
+        for name, default in RUN_TIME_OPTIONS.items():  # older configs saved the drafting options: arguments now
+            if kwargs.pop(name, default) != default:
+                warnings.warn(
+                    f"DominoConfig: {name} is no longer a config field; the drafting options are run-time arguments "
+                    "now: set `draft.drafting_options = DraftingOptions(...)` (candidate_pool, fused_step, "
+                    "gate_table_max_bytes).",
+                    stacklevel=2,
+                )
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:

@@ -5,10 +5,10 @@ A verify pass over the anchor and k drafts takes `verify_seconds[k]`, which on a
 expectation `1 + sum_{i<=k} c_1 ... c_i` tokens, `c_i` the draft's confidence in its i-th token (the probability
 its distribution gives its most likely token). `choose_draft_length` adds drafts while they raise the expected
 tokens per second of the round, `(1 + sum ...) / (draft_seconds + verify_seconds[k])`. Whether draft i is verified
-depends on the confidences of drafts 1..i only, which are properties of the distributions the draft samples from,
-never of a sampled token: a stopping rule, under which exact speculative sampling stays exact. A round drafts at all
-only when rounds like the recent ones beat a plain decode step (`DraftGate`): it would pay for the drafting round
-even if it then verified no draft.
+depends on the confidences of drafts 1..i only, properties of the distributions the draft samples from (which depend
+on the drafts before i, never on draft i itself): a stopping rule, under which exact speculative sampling stays exact. A round drafts at all
+only when rounds like the recent ones beat a plain decode step (`CostAwareDrafting`): it would pay for the drafting
+round even if it then verified no draft.
 
 Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and
 transformers.
@@ -53,12 +53,12 @@ class DraftingOptions:
     `target.generate(assistant_model=draft)`, or pass them to `speculative_generate`.
     """
 
-    candidate_pool: int = 0  # > 0: greedy slots correct only their K best base tokens, the rest get -inf (0: all)
+    candidate_pool: int = 0  # > 0: greedy slots correct only their best base tokens, the rest get -inf (0: all)
     fused_step: bool = False  # greedy pooled drafting on CUDA: one Triton kernel per slot (needs a pool)
     gate_table_max_bytes: int = 256 * 2**20  # precompute every draft token's GRU input gates when at most this big
     draft_length: str = "auto"  # "cost": verify as many drafts as pay (`choose_draft_length`); "full": all of them;
     # "auto": "cost" on CPU, "full" on accelerators, where a verify pass costs about the same for any block
-    draft_costs: DraftCosts | None = None  # the costs "cost" weighs; None: measured once per process and models
+    draft_costs: DraftCosts | None = None  # the costs "cost" weighs; None: measured once per process, target, draft
 
     def __post_init__(self):
         pool = self.candidate_pool
@@ -89,7 +89,8 @@ def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts) -> int:
     costs. Stops at the first draft that lowers the round's expected tokens per second (the verify cost is taken
     non-decreasing in k, so one noisy measurement cannot stop it early)."""
     num_drafts = min(confidence.shape[1], len(costs.verify_seconds) - 1)
-    reach = confidence[:, :num_drafts].double().cumprod(dim=1).sum(dim=0).tolist()  # [S]: rows reaching draft i
+    confidence = confidence[:, :num_drafts].double().nan_to_num(0.0)  # NaN: a slot that had no finite logit
+    reach = confidence.cumprod(dim=1).sum(dim=0).tolist()  # [S]: rows reaching draft i
     expected, seconds = float(confidence.shape[0]), costs.draft_seconds + costs.verify_seconds[0]
     for index, gain in enumerate(reach):
         longer = max(seconds, costs.draft_seconds + costs.verify_seconds[index + 1])
@@ -99,14 +100,15 @@ def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts) -> int:
     return num_drafts
 
 
-class DraftGate:
-    """Whether a round should draft at all, the cost-aware draft length's zero: a round that drafts pays the drafting
-    round even when it then verifies no draft.
+class CostAwareDrafting:
+    """The cost-aware draft length of one decoding run: before a round, whether it drafts at all (`should_draft`);
+    after drafting, how many of the drafts to verify (`length`).
 
-    It expects the next round's confidences to be the recent ones (an average that halves the weight of each older
-    round) and drafts when a round with those would commit more tokens per second than a plain decode step. Skipping,
-    it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. Every decision depends on earlier rounds only, so
-    sampling stays exact.
+    A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
+    with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
+    second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. Both
+    decisions depend on earlier rounds and on the distributions of the drafts up to the one decided, so sampling stays
+    exact.
     """
 
     MAX_SKIPPED = 16
@@ -114,20 +116,22 @@ class DraftGate:
     def __init__(self, costs: DraftCosts):
         self.costs = costs
         self.expected: torch.Tensor | None = None  # [S]: the recent confidences, per draft position
-        self.skipped, self.wait = 0, 1
+        self.pays, self.skipped, self.wait = True, 0, 1
 
     def should_draft(self) -> bool:
-        return self.expected is None or self.skipped >= self.wait or self._pays()
+        """Before a round: draft it, or decode plainly (then call `skipped`)."""
+        return self.pays or self.skipped >= self.wait
 
-    def update(self, confidence: torch.Tensor | None) -> None:
-        """After a round: `confidence` `[B, S]` of its drafts, None if it skipped drafting."""
-        if confidence is None:
-            self.skipped += 1
-            return
-        recent = confidence.double().mean(0).cpu()
+    def skipped_round(self) -> None:
+        self.skipped += 1
+
+    def length(self, confidence: torch.Tensor, limit: int) -> int:
+        """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
+        recent = confidence.double().nan_to_num(0.0).mean(0).cpu()  # NaN: a slot that had no finite logit
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
-        self.skipped = 0
-        self.wait = 1 if self._pays() else min(2 * self.wait, self.MAX_SKIPPED)
+        self.pays = self._pays()
+        self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self.MAX_SKIPPED)
+        return min(limit, choose_draft_length(confidence, self.costs))
 
     def _pays(self) -> bool:
         """Whether a round of the expected confidences commits more tokens per second than a plain decode step."""
@@ -138,28 +142,43 @@ class DraftGate:
         return tokens / seconds > 1 / self.costs.verify_seconds[0]
 
 
-_measured: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+def cost_aware_drafting(target, draft, options: DraftingOptions, batch_size: int = 1) -> CostAwareDrafting | None:
+    """The cost-aware draft length of a run, with the given costs or those measured here; None where `options`
+    verify every draft."""
+    if not options.cost_aware(target.device):
+        return None
+    return CostAwareDrafting(options.draft_costs or measure_draft_costs(target, draft, options, batch_size))
 
 
-def forget_draft_costs(target: torch.nn.Module) -> None:
-    """Drop the costs measured with `target` (after it changed: `optimize_for_cpu`, another device)."""
-    _measured.pop(target, None)
+_measured: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def forget_draft_costs(model: torch.nn.Module) -> None:
+    """Drop the costs measured with `model`, a target or a draft (after it changed: `optimize_for_cpu`, compiled
+    drafting, another device)."""
+    _measured.pop(model, None)
+    for drafts in _measured.values():
+        drafts.pop(model, None)
 
 
 @torch.no_grad()
-def measure_draft_costs(target, draft, context_length: int = 64, repeats: int = 7) -> DraftCosts:
-    """Time a verify pass over the anchor and k drafts for k = 0..S, and a drafting round, after a random context
-    of `context_length` tokens; the fastest of `repeats` runs each (on a shared machine the others carry its noise).
-    Measured once per target and draft in a process (a few forward passes; `forget_draft_costs` measures again)."""
-    known = _measured.setdefault(target, {})
-    key = (id(draft), draft.config.num_draft_tokens, str(target.device), target.dtype)
+def measure_draft_costs(
+    target, draft, options: DraftingOptions | None = None, batch_size: int = 1, context_length: int = 64,
+    repeats: int = 7,
+) -> DraftCosts:  # fmt: skip
+    """Time a verify pass over the anchor and k drafts for k = 0..S, and a drafting round under `options`, for
+    `batch_size` rows after a random context of `context_length` tokens; the fastest of `repeats` runs each (on a
+    shared machine the others carry its noise). Measured once per target, draft, options and batch size in a process
+    (a few forward passes; `forget_draft_costs` measures again)."""
+    options = options or draft.drafting_options
+    known = _measured.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
+    key = (options, batch_size, str(target.device), target.dtype)
     if key in known:
         return known[key]
-    device = target.device
-    context = torch.randint(0, draft.config.vocab_size, (1, context_length + draft.config.num_draft_tokens + 1),
+    device, num_drafts = target.device, draft.config.num_draft_tokens
+    context = torch.randint(0, draft.config.vocab_size, (batch_size, context_length + num_drafts + 1),
                             generator=torch.Generator().manual_seed(0)).to(device)  # fmt: skip
-    cache = new_dynamic_cache(target.config)
-    keyword = cache_keyword(target)
+    cache, keyword = new_dynamic_cache(target.config), cache_keyword(target)
     prefill = target(context[:, :context_length], output_hidden_states=True, use_cache=True, **{keyword: cache})
 
     def seconds(run, undo) -> float:
@@ -174,22 +193,22 @@ def measure_draft_costs(target, draft, context_length: int = 64, repeats: int = 
         return min(times[1:])
 
     verify = []
-    for num_drafts in range(draft.config.num_draft_tokens + 1):
-        block = context[:, context_length : context_length + num_drafts + 1]
+    for count in range(num_drafts + 1):
+        block = context[:, context_length : context_length + count + 1]
         verify.append(seconds(lambda: target(block, output_hidden_states=True, use_cache=True, **{keyword: cache}),
                               lambda: cache.crop(-block.shape[1])))  # fmt: skip
     draft_cache = DominoContextCache()
     features = draft.fuse_target_hidden_states(prefill.hidden_states)
-    positions = torch.arange(context_length, device=device)[None]
+    positions = torch.arange(context_length, device=device).expand(batch_size, -1)
     draft.extend_context(draft_cache, features[:, :-1], positions[:, :-1])
     anchor, anchor_position = context[:, context_length - 1], positions[:, -1]
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    new_features, new_position = features[:, -1:], positions[:, -1:]
-    def draft_round():
-        draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_position)
 
-    draft_seconds = seconds(draft_round, lambda: draft_cache.crop(-1))
-    known[key] = DraftCosts(tuple(verify), draft_seconds)
+    def draft_round():
+        draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, features[:, -1:],
+                          positions[:, -1:], options=options)  # fmt: skip
+
+    known[key] = DraftCosts(tuple(verify), seconds(draft_round, lambda: draft_cache.crop(-1)))
     return known[key]
 
 
@@ -202,7 +221,6 @@ class CompiledDrafting:
 
     def __init__(self, backbone: Callable[..., torch.Tensor], greedy_head: Callable[..., tuple], mode: str,
                  dynamic_backbone: bool):  # fmt: skip
-        self.mode, self.dynamic_backbone = mode, dynamic_backbone
         # With dynamic shapes, CUDA graphs would still be recorded once per context length: compile without them.
         backbone_mode = _WITHOUT_CUDA_GRAPHS.get(mode, mode) if dynamic_backbone else mode
         self._backbone_graphs = backbone_mode in _WITHOUT_CUDA_GRAPHS
@@ -233,5 +251,5 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "DraftCosts", "DraftGate", "DraftingOptions",
-           "choose_draft_length", "forget_draft_costs", "measure_draft_costs"]  # fmt: skip
+__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "CostAwareDrafting", "DraftCosts", "DraftingOptions",
+           "choose_draft_length", "cost_aware_drafting", "forget_draft_costs", "measure_draft_costs"]  # fmt: skip

@@ -23,7 +23,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_domino import DominoContextCache
 from .configuration_domino import check_input_ids
-from .drafting import DraftGate, choose_draft_length, measure_draft_costs
+from .drafting import cost_aware_drafting
 from .transformers_compat import croppable_cache, passed_cache
 
 
@@ -76,7 +76,7 @@ class DominoCandidateGenerator(CandidateGenerator):
     model_kwargs_overrides = {"output_hidden_states": True}
 
     def __init__(self, draft, target, generation_config, logits_processor=None, tokenizer=None):
-        self.draft, self.target = draft, target
+        self.draft = draft
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.cache = DominoContextCache()
@@ -94,10 +94,7 @@ class DominoCandidateGenerator(CandidateGenerator):
             if self.do_sample:
                 mask = StopStringDraftMask(self.stop_strings)
                 self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
-        self.costs = self.gate = None
-        if self.options.cost_aware(draft.device):
-            self.costs = self.options.draft_costs or measure_draft_costs(target, draft)
-            self.gate = DraftGate(self.costs)
+        self.drafting = cost_aware_drafting(target, draft, self.options)
 
     def get_candidates(
         self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
@@ -123,9 +120,9 @@ class DominoCandidateGenerator(CandidateGenerator):
         else:
             positions = torch.arange(input_ids.shape[1], device=device)[None]
             context_mask = None
-        if self.gate is not None and not self.gate.should_draft():  # the context only: the next round needs it
+        if self.drafting is not None and not self.drafting.should_draft():  # a plain round: only read the context
             self.draft.extend_context(self.cache, target_hidden.to(device), positions[:, cached:-1], context_mask)
-            self.gate.update(None)
+            self.drafting.skipped_round()
             return input_ids, None
         draft = self.draft.draft_block(
             anchor_ids=input_ids[:, -1].to(device),
@@ -141,9 +138,8 @@ class DominoCandidateGenerator(CandidateGenerator):
             prefix_ids=input_ids.to(device),
             options=self.options,
         )
-        if self.gate is not None:
-            self.gate.update(draft.confidence)
-            num_candidates = min(num_candidates, choose_draft_length(draft.confidence, self.costs))
+        if self.drafting is not None:
+            num_candidates = self.drafting.length(draft.confidence, num_candidates)
         num_candidates = self._cut_at_stop(input_ids, draft.tokens, num_candidates)
         if num_candidates == 0:
             # No candidates: return no logits either, transformers' speculative sampling cannot take an empty block.

@@ -32,7 +32,7 @@ from .drafting import DraftingOptions
 from .head_step_triton import head_step
 
 # Shapes: M rows (sequences, or blocks in training), S slots (drafts per block), V draft vocabulary, D hidden,
-# G GRU state, R rank of the logit residual, K candidate pool.
+# G GRU state, R rank of the logit residual, P candidate pool.
 
 # `choose(slot, logits)` picks a slot's token from its whole-vocabulary logits: `(token ids [M], the logits it drew
 # from [M, V_target])`, e.g. after logits processors, or by sampling.
@@ -57,7 +57,12 @@ def slot_chooser(
     def choose(slot: int, slot_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nonlocal drafted
         if logits_processor is not None:
-            slot_logits = logits_processor(drafted, slot_logits)
+            processed = logits_processor(drafted, slot_logits)
+            # A processor may rule out every token the draft has (its draft vocabulary): it then proposes its own
+            # best one with all of q, which exact speculative sampling rejects wherever the target rules it out.
+            none_left = torch.isneginf(processed).all(-1, keepdim=True)
+            best = F.one_hot(slot_logits.argmax(-1), slot_logits.shape[-1]).bool()
+            slot_logits = torch.where(none_left, torch.where(best, 0.0, float("-inf")), processed)
         token = select_token(slot_logits, do_sample, generator)
         if drafted is not None:
             drafted = torch.cat([drafted, token[:, None]], dim=-1)
@@ -136,9 +141,9 @@ class BlockInputs(NamedTuple):
 
     hidden_part: torch.Tensor  # [M, S, R]: the hidden-state half of W_down, all slots at once
     state: torch.Tensor  # [M, G]: the GRU state after reading the anchor
-    pool_ids: torch.Tensor | None = None  # [M, S, K]: each slot's candidate pool (draft-vocabulary indices)
-    pool_base: torch.Tensor | None = None  # [M, S, K]: their base logits
-    pool_up: torch.Tensor | None = None  # [M, S, K, R]: their rows of W_up
+    pool_ids: torch.Tensor | None = None  # [M, S, P]: each slot's candidate pool (draft-vocabulary indices)
+    pool_base: torch.Tensor | None = None  # [M, S, P]: their base logits
+    pool_up: torch.Tensor | None = None  # [M, S, P, R]: their rows of W_up
 
 
 def token_ids(indices: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
@@ -176,8 +181,8 @@ def block_inputs(
     state = gru_cell(anchor_gates, zeros.new_zeros(zeros.shape[0], weights.weight_ih.shape[0]), zeros)
     if not pool_size:
         return BlockInputs(hidden_part, state)
-    pool_ids = base_logits.topk(min(pool_size, base_logits.shape[-1]), dim=-1).indices  # [M, S, K]
-    pool_up = weights.up[pool_ids].to(base_logits.dtype)  # [M, S, K, R]
+    pool_ids = base_logits.topk(min(pool_size, base_logits.shape[-1]), dim=-1).indices  # [M, S, P]
+    pool_up = weights.up[pool_ids].to(base_logits.dtype)  # [M, S, P, R]
     return BlockInputs(hidden_part, state, pool_ids, base_logits.gather(-1, pool_ids), pool_up)
 
 
@@ -199,7 +204,7 @@ def slot_loop(
     Returns token ids `[M, S]`, the logits each was picked from (`[M, S, vocab_size]`; greedy: over the draft
     vocabulary, -inf outside a pool) and each pick's confidence `[M, S]` (`pick_confidence`).
     """
-    num_slots, gates_width = base_logits.shape[1], weights.weight_ih.shape[0]
+    num_slots, state_gates_width = base_logits.shape[1], weights.weight_ih.shape[0]  # 3G
     state, pooled = block.state, block.pool_ids is not None
     if pooled and choose is not None:
         raise ValueError(
@@ -209,7 +214,7 @@ def slot_loop(
     tokens, logits = [], []
     for slot in range(num_slots):
         state_gates, state_part = F.linear(state, weights.state_weight).split(
-            [gates_width, weights.state_weight.shape[0] - gates_width], dim=-1
+            [state_gates_width, weights.state_weight.shape[0] - state_gates_width], dim=-1
         )
         slot_logits = base_logits[:, slot]
         if slot >= first_corrected:
@@ -232,22 +237,22 @@ def slot_loop(
         if slot + 1 < num_slots:
             state = gru_cell(gates, state_gates, state)
     if pooled and first_corrected < num_slots:
-        pool_logits = torch.stack(logits[first_corrected:], dim=1)  # [M, S - first_corrected, K]
-        confidence = torch.cat([pick_confidence(base_logits[:, :first_corrected]), pick_confidence(pool_logits)], 1)
-        return torch.stack(tokens, 1), _spread_pools(base_logits, pool_logits, block.pool_ids, first_corrected), \
-            confidence  # fmt: skip
+        pool_logits = torch.stack(logits[first_corrected:], dim=1)  # [M, S - first_corrected, P]
+        return torch.stack(tokens, 1), *_pooled_outputs(base_logits, pool_logits, block.pool_ids, first_corrected)
     logits = torch.stack(logits, 1)
     return torch.stack(tokens, 1), logits, pick_confidence(logits)
 
 
-def _spread_pools(
+def _pooled_outputs(
     base_logits: torch.Tensor, pool_logits: torch.Tensor, pool_ids: torch.Tensor, first_corrected: int
-) -> torch.Tensor:
-    """Pooled greedy drafting's logits `[M, S, V]`: base logits before `first_corrected`, then each corrected slot's
-    pool logits over its pool, -inf elsewhere."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pooled greedy drafting's logits `[M, S, V]` (base logits before `first_corrected`, then each corrected slot's
+    pool logits over its pool, -inf elsewhere) and confidences `[M, S]`."""
     spread = pool_logits.new_full((*pool_logits.shape[:2], base_logits.shape[-1]), float("-inf"))
     spread.scatter_(-1, pool_ids[:, first_corrected:], pool_logits)
-    return torch.cat([base_logits[:, :first_corrected], spread], dim=1)
+    uncorrected = base_logits[:, :first_corrected]
+    confidence = torch.cat([pick_confidence(uncorrected), pick_confidence(pool_logits)], dim=1)
+    return torch.cat([uncorrected, spread], dim=1), confidence
 
 
 def fused_pooled_slot_loop(
@@ -261,9 +266,9 @@ def fused_pooled_slot_loop(
     num_slots = base_logits.shape[1]
     pool_ids = block.pool_ids.clone()
     pool_ids[:, :first_corrected, 0] = base_logits[:, :first_corrected].argmax(dim=-1)
-    pool_gates = input_gates(weights, pool_ids).contiguous()  # [M, S, K, 3G]
+    pool_gates = input_gates(weights, pool_ids).contiguous()  # [M, S, P, 3G]
     indices = pool_ids[:, :, 0].contiguous()  # [M, S]: the kernel writes the corrected slots'
-    pool_logits = torch.empty_like(block.pool_base)  # [M, S, K]
+    pool_logits = torch.empty_like(block.pool_base)  # [M, S, P]
     state = block.state.contiguous()
     projected = F.linear(state, weights.state_weight)  # [M, 3G + R]: slot 0's, the only matmul outside the kernel
     for slot in range(num_slots):
@@ -271,9 +276,7 @@ def fused_pooled_slot_loop(
             projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, indices, pool_logits,
             block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
         )  # fmt: skip
-    corrected = pool_logits[:, first_corrected:]
-    confidence = torch.cat([pick_confidence(base_logits[:, :first_corrected]), pick_confidence(corrected)], 1)
-    logits = _spread_pools(base_logits, corrected, pool_ids, first_corrected)
+    logits, confidence = _pooled_outputs(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
     return token_ids(indices, weights.vocab), logits, confidence
 
 

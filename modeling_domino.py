@@ -235,6 +235,12 @@ class DominoDecoderLayer(GradientCheckpointingLayer):
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def _index_of(token_ids: torch.Tensor, vocab_size: int, missing: int) -> torch.Tensor:
+    """`[vocab_size]`: each token's position in `token_ids`, `missing` for the tokens not in it."""
+    index_of = torch.full((vocab_size,), missing, dtype=torch.long, device=token_ids.device)
+    return index_of.index_copy_(0, token_ids, torch.arange(token_ids.numel(), device=token_ids.device))
+
+
 def _model_name(name_or_path: str) -> str:
     """A model's name without its folder or Hub organisation: a local copy and the Hub id compare equal."""
     return os.path.basename(name_or_path.rstrip("/")).lower()
@@ -277,8 +283,8 @@ class DominoDraftModel(PreTrainedModel):
         self.norm = Qwen3RMSNorm(hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.head = DominoHead(config) if config.use_domino_head else None
-        if config.draft_vocab_size is not None:
-            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
+        # The draft vocabulary's token ids, most frequent first; None: the target's whole vocabulary.
+        self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
         self.drafting_options = DraftingOptions()
         self.derived = DerivedTensors()
         self.post_init()
@@ -289,11 +295,6 @@ class DominoDraftModel(PreTrainedModel):
             bound = module.hidden_size**-0.5
             for weight in (module.weight_ih_l0, module.weight_hh_l0):
                 init.uniform_(weight, -bound, bound)
-
-    @property
-    def vocab(self) -> torch.Tensor | None:
-        """The draft vocabulary's token ids (`[V]`), or None when it is the target's whole vocabulary."""
-        return getattr(self, "draft_vocab", None)
 
     # ------------------------------------------------------------------ building and checking
 
@@ -374,19 +375,17 @@ class DominoDraftModel(PreTrainedModel):
         head's `W_up` rows of those tokens. Without a candidate pool it drafts what this one drafts wherever this
         one's pick is among them."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
-        current = self.vocab
+        current = self.draft_vocab
         if current is None:
             current = torch.arange(self.config.vocab_size, device=token_ids.device)
-        row_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
-        row_of[current] = torch.arange(current.numel(), device=token_ids.device)
-        rows = row_of[token_ids.clamp(0, self.config.vocab_size - 1)]
+        rows = _index_of(current, self.config.vocab_size, missing=-1)[token_ids.clamp(0, self.config.vocab_size - 1)]
         if (rows < 0).any() or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
             raise ValueError(
                 f"a draft vocabulary must lie within the draft's own ({current.numel()} tokens): the head has no "
                 "residual row for the others."
             )
         config = type(self.config).from_dict({**self.config.to_dict(), "draft_vocab_size": token_ids.numel()})
-        draft = type(self)(config).to(device=self.fc.weight.device, dtype=self.dtype)
+        draft = type(self)._from_config(config, dtype=self.dtype).to(self.fc.weight.device)  # RoPE stays in fp32
         draft.set_draft_vocab(token_ids)
         state_dict = {**self.state_dict(), "draft_vocab": draft.draft_vocab}
         if self.head is not None:
@@ -549,7 +548,7 @@ class DominoDraftModel(PreTrainedModel):
         few rows on CPU), the cost that a drafting round otherwise spends mostly on the target's whole vocabulary.
         """
         hidden = draft_hidden.to(lm_head.weight.dtype)
-        vocab = self.vocab
+        vocab = self.draft_vocab
         if vocab is None:
             return lm_head(hidden)
         if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
@@ -563,11 +562,9 @@ class DominoDraftModel(PreTrainedModel):
     def to_draft_vocab(self, token_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Token ids as draft-vocabulary indices (training labels); ids outside it, and `ignore_index`, become
         `ignore_index`."""
-        vocab = self.vocab
-        if vocab is None:
+        if self.draft_vocab is None:
             return token_ids
-        index_of = torch.full((self.config.vocab_size,), ignore_index, dtype=torch.long, device=token_ids.device)
-        index_of[vocab.to(token_ids.device)] = torch.arange(vocab.numel(), device=token_ids.device)
+        index_of = _index_of(self.draft_vocab.to(token_ids.device), self.config.vocab_size, missing=ignore_index)
         return torch.where(token_ids == ignore_index, ignore_index, index_of[token_ids.clamp(min=0)])
 
     def _draft_slots(self, block_hidden: torch.Tensor) -> torch.Tensor:
@@ -639,7 +636,7 @@ class DominoDraftModel(PreTrainedModel):
         prefix_ids = input_ids.gather(1, prefix_positions.view(batch_size, -1)).view(-1, num_slots)  # [B*N, S]
         if head_reads_predictions:  # argmax has no gradient: the GRU reads the predictions as constants
             _, logits, _ = self.head.draft(flat_base, flat_hidden, embed_tokens(prefix_ids[:, 0]), embed_tokens,
-                                           self.vocab, whole_vocabulary=True)  # fmt: skip
+                                           self.draft_vocab, whole_vocabulary=True)  # fmt: skip
         else:
             logits = self.head(flat_base, flat_hidden, embed_tokens(prefix_ids))
         return DominoOutput(logits=logits.view_as(base_logits), base_logits=base_logits)
@@ -765,15 +762,15 @@ class DominoDraftModel(PreTrainedModel):
         greedy."""
         vocab_size = self.config.vocab_size
         if self.head is None:
-            tokens, logits, confidence = base_drafts(block.base_logits, self.vocab, choose, vocab_size)
+            tokens, logits, confidence = base_drafts(block.base_logits, self.draft_vocab, choose, vocab_size)
         else:
             compiled = self.__dict__.get("_compiled_drafting")
             tokens, logits, confidence = self.head.draft(
-                *block, embed_tokens, self.vocab, options or self.drafting_options, choose, vocab_size,
+                *block, embed_tokens, self.draft_vocab, options or self.drafting_options, choose, vocab_size,
                 greedy=greedy_head if compiled is None else compiled.greedy_head,
             )  # fmt: skip
         if choose is None:  # greedy logits are the draft vocabulary's
-            logits = to_target_vocabulary(logits, self.vocab, vocab_size)
+            logits = to_target_vocabulary(logits, self.draft_vocab, vocab_size)
         return DominoDraft(tokens=tokens, logits=logits, confidence=confidence)
 
     def clear_derived_tensors(self) -> None:

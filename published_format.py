@@ -27,6 +27,8 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 from transformers.utils import cached_file
 
+from .configuration_domino import DominoConfig
+
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -66,13 +68,8 @@ OPTIONAL_LAYER_FIELDS = (
     "attention_dropout",
     "initializer_range",
 )
-# The head's published config fields -> ours.
-DOMINO_HEAD_FIELDS = {
-    "gru_hidden_dim": "gru_hidden_dim",
-    "emb_dim": "residual_rank",
-    "pure_draft_prefix_len": "first_corrected_slot",
-    "shift_label": "shift_label",
-}
+# The head's published config fields -> ours (the names ours differ by are DominoConfig's aliases).
+DOMINO_HEAD_FIELDS = {"gru_hidden_dim": "gru_hidden_dim", "shift_label": "shift_label", **DominoConfig.attribute_map}
 
 
 # ---------------------------------------------------------------------- folders and files
@@ -240,12 +237,13 @@ def _rope_parameters(config: dict) -> dict:
     return dict(Qwen3Config(**{name: config[name] for name in names if config.get(name) is not None}).rope_parameters)
 
 
-def _emb_dim(config: dict, source: str) -> int:
-    nested = (config.get("dflash_config") or {}).get("emb_dim")
-    top_level = config.get("emb_dim")
+def _head_field(config: dict, name: str, source: str):
+    """A head field of a published config, which may hold it both nested and at the top level (`emb_dim`): they
+    must agree."""
+    nested, top_level = (config.get("dflash_config") or {}).get(name), config.get(name)
     if nested is not None and top_level is not None and nested != top_level:
-        raise ValueError(f"{source}: dflash_config.emb_dim={nested} differs from the top-level emb_dim={top_level}.")
-    return _require(nested if nested is not None else top_level, "emb_dim", source)
+        raise ValueError(f"{source}: dflash_config.{name}={nested} differs from the top-level {name}={top_level}.")
+    return _require(nested if nested is not None else top_level, name, source)
 
 
 def config_fields_from_published(config: dict, source: str = CONFIG_NAME) -> dict:
@@ -273,10 +271,7 @@ def config_fields_from_published(config: dict, source: str = CONFIG_NAME) -> dic
         fields.update(use_domino_head=False, shift_label=False)
     else:
         fields["use_domino_head"] = True
-        fields["gru_hidden_dim"] = _require(_pick(config, "gru_hidden_dim"), "gru_hidden_dim", source)
-        fields["residual_rank"] = _emb_dim(config, source)
-        for name in ("pure_draft_prefix_len", "shift_label"):
-            fields[DOMINO_HEAD_FIELDS[name]] = _require(_pick(config, name), name, source)
+        fields.update({ours: _head_field(config, name, source) for name, ours in DOMINO_HEAD_FIELDS.items()})
     return fields
 
 

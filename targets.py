@@ -106,6 +106,11 @@ def eos_token_ids(target: PreTrainedModel, tokenizer) -> list[int]:
     return eos
 
 
+def pad_token_id(tokenizer) -> int | None:
+    """The tokenizer's pad token, else its EOS (many chat models have no pad token; a padded slot is masked anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def left_pad(prompts: list, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch prompts (token-id lists, or `[1, P]`/`[P]` tensors) with left padding: `input_ids`, `attention_mask`."""
     rows = [torch.as_tensor(prompt, dtype=torch.long).flatten() for prompt in prompts]
@@ -118,4 +123,5 @@ def left_pad(prompts: list, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.
     return input_ids, attention_mask
 
 
-__all__ = ["SHAPE_PRESETS", "check_model_folder", "eos_token_ids", "left_pad", "load_target", "prompt_token_ids"]
+__all__ = ["SHAPE_PRESETS", "check_model_folder", "eos_token_ids", "left_pad", "load_target", "pad_token_id",
+           "prompt_token_ids"]  # fmt: skip

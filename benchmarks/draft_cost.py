@@ -40,18 +40,21 @@ from pathlib import Path
 
 import torch
 import transformers
-
 from domino_spec import DominoContextCache, DominoDraftModel
-from domino_spec.drafting import DraftingOptions
+from domino_spec.drafting import COMPILE_MODES, DraftingOptions
 from domino_spec.generation.cpu import CPUOptimization, optimize_for_cpu
 from domino_spec.generation.engine import DeviceClock
 from domino_spec.head_step_triton import triton
-from domino_spec.targets import SHAPE_PRESETS, default_device, default_dtype, load_target
+from domino_spec.targets import (
+    SHAPE_PRESETS,
+    default_device,
+    default_dtype,
+    load_target,
+)
 from domino_spec.transformers_compat import cache_keyword, new_dynamic_cache
 
 TAUS = (2, 3, 4, 6, 8)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # compile_drafting's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -65,14 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=1024, help="tokens already in the KV caches")
     parser.add_argument("--head-pools", type=int, nargs="+", default=[0, 64], help="candidate_pool values")
     parser.add_argument(
-        "--gru-input-table-mib",
+        "--gate-table-mib",
         type=int,
         default=None,
         help="DraftingOptions.gate_table_max_bytes in MiB (default 256: at Qwen3-8B shapes the 890 MiB table is "
         "skipped)",
     )
     parser.add_argument(
-        "--no-fused", dest="fused_head_step", action="store_false", help="skip the fused head step (Triton) variants"
+        "--no-fused", dest="fused_step", action="store_false", help="skip the fused head step (Triton) variants"
     )
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip compiled drafting")
     parser.add_argument(
@@ -91,13 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def head_variants(args: argparse.Namespace) -> list[tuple[int, bool]]:
     """`(pool, fused)` per head variant: each pool unfused, then each pool fused where the Triton kernel runs."""
-    fused = args.fused_head_step and head_step_triton.kernel_runs_on(torch.device(args.device))
+    fused = args.fused_step and head_step_triton.kernel_runs_on(torch.device(args.device))
     return [(pool, False) for pool in args.head_pools] + [(pool, True) for pool in args.head_pools if pool and fused]
 
 
 def drafting_options(args: argparse.Namespace, pool: int = 0, fused: bool = False) -> DraftingOptions:
-    """The `DraftingOptions` of a head variant, with `--gru-input-table-mib`."""
-    table = {} if args.gru_input_table_mib is None else {"gate_table_max_bytes": args.gru_input_table_mib * 2**20}
+    """The `DraftingOptions` of a head variant, with `--gate-table-mib`."""
+    table = {} if args.gate_table_mib is None else {"gate_table_max_bytes": args.gate_table_mib * 2**20}
     return DraftingOptions(candidate_pool=pool, fused_step=fused, **table)
 
 
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = draft_cost.model_summary(target, draft)
     with torch.no_grad():  # with gradients on, the head never uses the table
         embed_tokens, options = target.get_input_embeddings(), drafting_options(args)
-        weights = draft.head.weights(embed_tokens, draft.vocab, torch.float32, options)  # block_logits: float32
+        weights = draft.head.weights(embed_tokens, draft.draft_vocab, torch.float32, options)  # block_logits: float32
         model["gru_input_table"] = weights.gate_table is not None
 
     errors, drafted = {}, {}

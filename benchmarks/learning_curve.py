@@ -36,7 +36,7 @@ from domino_spec import DominoDraftModel, DraftingOptions
 from domino_spec.cli import load_checked_data, parse_train_arguments
 from domino_spec.generation import speculative_generate
 from domino_spec.generation.eval_sets import EVAL_SETS, eval_prompts
-from domino_spec.targets import eos_token_ids, load_target, prompt_token_ids
+from domino_spec.targets import eos_token_ids, load_target, pad_token_id, prompt_token_ids
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.trainer import DominoTrainer
 
@@ -110,9 +110,9 @@ def tau(draft, target, prompts: list[torch.Tensor], eos: list[int], max_new_toke
 def proxy(args: argparse.Namespace, name: str, draft, target, tokenizer, eval_dataset) -> dict:
     """`DominoTrainer.evaluate` of the checkpoint on the held-out data: the training loss's metrics."""
     _, training_args = parse_train_arguments(train_flags(args, name) + ["--report_to", "none"])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    collator = DominoDataCollator(pad_token_id(tokenizer), training_args.num_anchors)
     trainer = DominoTrainer(model=draft, target=target, args=training_args, eval_dataset=eval_dataset,
-                            data_collator=DominoDataCollator(pad_id, training_args.num_anchors))  # fmt: skip
+                            data_collator=collator)  # fmt: skip
     metrics = trainer.evaluate()
     return {key.removeprefix("eval_"): round(value, 4) for key, value in metrics.items()
             if key in ("eval_loss", "eval_acceptance_base", "eval_acceptance_final")}  # fmt: skip
@@ -123,14 +123,14 @@ def score(args: argparse.Namespace, results: dict) -> None:
     target, tokenizer = load_target(parse_train_arguments(train_flags(args, next(iter(args.variant))))[0].target)
     eval_dataset = load_checked_data(args.eval_data, target, tokenizer, max_length=1024).remove_columns("index")
     eos = eos_token_ids(target, tokenizer)
-    prompts = [torch.tensor([prompt_token_ids(tokenizer, item["messages"])])
+    prompts = [torch.tensor([prompt_token_ids(tokenizer, item["messages"])], device=target.device)
                for name in EVAL_SETS for item in eval_prompts(name, args.tau_prompts)]  # fmt: skip
     for name in args.variant:
         points = results["curves"].setdefault(name, {})
         for checkpoint in checkpoints(args, name):
             if checkpoint.name in points:
                 continue
-            draft = DominoDraftModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+            draft = DominoDraftModel.from_pretrained(checkpoint, dtype=target.dtype).to(target.device).eval()
             state = json.loads((checkpoint / "trainer_state.json").read_text())
             points[checkpoint.name] = {
                 "step": state["global_step"],

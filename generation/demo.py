@@ -24,11 +24,11 @@ def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, m
     """SmolLM2-135M-Instruct with the shipped Domino draft: stream the answer, then time plain decoding too."""
     from ..targets import load_target, prompt_token_ids
 
-    stage("loading the target, SmolLM2-135M-Instruct in fp32 (the first run converts the asset's GGUF file once)")
+    stage("loading the target, SmolLM2-135M-Instruct (the first run converts the asset's GGUF file once)")
     target, tokenizer = load_target("smollm2-135m")
     stage(f"loading the draft from {draft_dir}")
-    draft = DominoDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
-    input_ids = torch.tensor([prompt_token_ids(tokenizer, [{"role": "user", "content": question}])])
+    draft = DominoDraftModel.from_pretrained(draft_dir, dtype=target.dtype).to(target.device).eval()
+    input_ids = torch.tensor([prompt_token_ids(tokenizer, [{"role": "user", "content": question}])], device=target.device)
     if target.device.type == "cpu":
         stage("timing three layouts of every weight for multi-token passes on this CPU (optimize_for_cpu)")
         optimize_for_cpu(target, draft)

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
 from ..configuration_domino import check_input_ids
-from ..drafting import DraftCosts, DraftGate, DraftingOptions, choose_draft_length, measure_draft_costs
+from ..drafting import CostAwareDrafting, DraftingOptions, cost_aware_drafting
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 
@@ -155,7 +155,6 @@ class _Setup:
     max_new_tokens: int
     num_drafts: int  # S, 0 for plain decoding
     options: DraftingOptions | None
-    costs: DraftCosts | None  # what the cost-aware draft length weighs; None: verify every draft
     cache_name: str  # the target forward's cache keyword
     takes_logits_to_keep: bool
 
@@ -260,7 +259,7 @@ def speculative_generate(
     max_slots = input_ids.shape[1] + max_new_tokens * (setup.num_drafts + 1)  # every round's rejected drafts kept
     cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
     draft_cache = DominoContextCache()
-    gate = DraftGate(setup.costs) if setup.costs is not None else None  # whether a round drafts at all
+    drafting = cost_aware_drafting(target, draft, setup.options, input_ids.shape[0]) if draft is not None else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
     rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
@@ -272,10 +271,10 @@ def speculative_generate(
     while rows.index.numel() > 0:
         budget = max_new_tokens - rows.num_generated  # [B] tokens each row may still commit, >= 1
         num_drafts = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
-        if gate is not None and not gate.should_draft():
+        if drafting is not None and not drafting.should_draft():
             num_drafts = 0
         tick = clock()
-        draft_tokens, draft_logits = _draft(setup, rows, draft_cache, num_drafts, gate)  # [B, S], [B, S, V]
+        draft_tokens, draft_logits = _draft(setup, rows, draft_cache, num_drafts, drafting)  # [B, S], [B, S, V]
         num_drafts = draft_tokens.shape[1]
         tock = clock()
         outputs, verify_positions = _verify(setup, rows, draft_tokens, cache)
@@ -313,9 +312,6 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
     if pad_token_id is None:
         pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     options = options or (draft.drafting_options if draft is not None else None)
-    costs = None
-    if draft is not None and options.cost_aware(device):
-        costs = options.draft_costs or measure_draft_costs(target, draft)
     setup = _Setup(
         target=target,
         draft=draft,
@@ -326,7 +322,6 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
         max_new_tokens=max_new_tokens,
         num_drafts=draft.config.num_draft_tokens if draft is not None else 0,
         options=options,
-        costs=costs,
         cache_name=cache_keyword(target),
         takes_logits_to_keep=takes_argument(target, "logits_to_keep"),
     )
@@ -388,7 +383,8 @@ def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, s
     return rows
 
 
-def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_drafts: int, gate: DraftGate | None):
+def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_drafts: int,
+           drafting: CostAwareDrafting | None):  # fmt: skip
     """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts), at
     most `num_drafts` of them: fewer where the cost-aware draft length says more would not pay.
 
@@ -397,11 +393,11 @@ def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_draf
     draft = setup.draft
     if draft is None:
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
-    if num_drafts == 0:  # no round to draft (one token left, or the gate's call): only keep the draft cache aligned
+    if num_drafts == 0:  # a plain round (one token left, or drafting would not pay): keep the draft cache aligned
         draft.extend_context(draft_cache, rows.features, rows.feature_positions, rows.feature_mask)
         rows.features = rows.feature_positions = rows.feature_mask = None
-        if gate is not None:
-            gate.update(None)
+        if drafting is not None:
+            drafting.skipped_round()
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
     block = draft.draft_block(
         anchor_ids=rows.anchor,
@@ -418,9 +414,8 @@ def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_draf
         options=setup.options,
     )
     rows.features = rows.feature_positions = rows.feature_mask = None
-    if gate is not None:
-        gate.update(block.confidence)
-        num_drafts = min(num_drafts, choose_draft_length(block.confidence, setup.costs))
+    if drafting is not None:
+        num_drafts = drafting.length(block.confidence, num_drafts)
     return block.tokens[:, :num_drafts], block.logits[:, :num_drafts]
 
 

@@ -78,7 +78,7 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     results = load_benchmark("gpu_check").main([
         "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
         "--context", "32", "--head-pools", "0", "8", "--repeats", "2", "--warmup", "1", "--output", str(output),
-        "--gru-input-table-mib", "0", "--profile-head",
+        "--gate-table-mib", "0", "--profile-head",
     ])  # fmt: skip
     assert json.loads(output.read_text()) == json.loads(json.dumps(results))
     assert {"machine", "accelerator", "python", "torch", "transformers", "triton"} <= set(results["environment"])

@@ -83,4 +83,4 @@ def test_a_draft_vocabulary_is_saved_and_exported_as_the_whole_vocabulary(target
     torch.testing.assert_close(up[draft.draft_vocab], draft.head.embed_proj[2].weight.bfloat16().float())
     assert not up[:21].any() and not up[101:].any()
     exported = DominoDraftModel.from_pretrained(tmp_path / "sglang")
-    assert exported.vocab is None and exported.head.embed_proj[2].weight.shape[0] == 128
+    assert exported.draft_vocab is None and exported.head.embed_proj[2].weight.shape[0] == 128

@@ -6,7 +6,7 @@ from conftest import tiny_draft, tiny_target
 from speculative_helpers import draft_from_scratch
 
 from domino_spec import DraftCosts, DraftingOptions
-from domino_spec.drafting import DraftGate, choose_draft_length, measure_draft_costs
+from domino_spec.drafting import CostAwareDrafting, choose_draft_length, measure_draft_costs
 from domino_spec.generation import speculative_generate
 
 # A CPU-like round: verifying costs more with every draft, a drafting round a fifth of a decode step.
@@ -79,23 +79,25 @@ def test_greedy_decoding_with_the_cost_aware_length_is_lossless_and_verifies_few
     assert sum(drafts_per_round["cost"]) < sum(drafts_per_round["full"])
 
 
-def test_the_gate_skips_drafting_while_recent_rounds_do_not_pay_and_looks_again_ever_later():
-    gate = DraftGate(STEEP)
+def test_rounds_skip_drafting_while_recent_ones_do_not_pay_and_look_again_ever_later():
+    drafting = CostAwareDrafting(STEEP)
     unsure, sure = torch.full((1, 4), 0.05), torch.full((1, 4), 0.9)
     decisions = []
     for _ in range(16):
-        drafts = gate.should_draft()
-        decisions.append("D" if drafts else ".")
-        gate.update(unsure if drafts else None)
+        if drafting.should_draft():
+            decisions.append("D")
+            assert drafting.length(unsure, limit=4) == 0
+        else:
+            decisions.append(".")
+            drafting.skipped_round()
     assert "".join(decisions) == "D..D....D" + "." * 7  # the first round drafts; then after 2, 4, 8 skipped rounds
-    assert not gate.should_draft()
-    gate.skipped = gate.wait  # its next look: a sure round brings drafting back every round
-    assert gate.should_draft()
-    gate.update(sure)
-    assert all(gate.should_draft() for _ in range(3))
+    assert not drafting.should_draft()
+    drafting.skipped = drafting.wait  # its next look: a sure round brings drafting back every round
+    assert drafting.should_draft() and drafting.length(sure, limit=3) == 3
+    assert all(drafting.should_draft() for _ in range(3))
 
 
-def test_with_the_gate_a_round_that_skips_drafting_keeps_the_draft_context_whole():
+def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
     """After skipped rounds the draft catches up on the context it did not read: its blocks are a fresh draft's."""
     target = tiny_target("qwen3", dtype=torch.float64)
     draft = tiny_draft(target, block_size=6).to(torch.float64)

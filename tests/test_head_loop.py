@@ -25,7 +25,7 @@ def target_and_draft():
     return _target_and_draft()
 
 
-def test_gru_input_table_matches_per_step_projection(target_and_draft):
+def test_gate_table_matches_per_step_projection(target_and_draft):
     target, draft = target_and_draft
     input_ids = torch.randint(0, 100, (3, 14))
     draft.drafting_options = DraftingOptions(gate_table_max_bytes=0)

@@ -317,20 +317,20 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
     """Each round proposes only the drafts its confidences say pay, a stopping rule on the draft's distributions
     (never on a sampled token), so the output is still the target's sampling; here through generate, whose rounds
     each choose their own length."""
-    from domino_spec import generation_domino
-    from domino_spec.drafting import choose_draft_length
+    from domino_spec.drafting import CostAwareDrafting, choose_draft_length
 
     target, _, prompt = models
     lengths = []
 
-    def recording(confidence, costs):
-        lengths.append(choose_draft_length(confidence, costs))
-        return lengths[-1]
+    def recording(self, confidence, limit):
+        lengths.append(choose_draft_length(confidence, self.costs))
+        return length(self, confidence, limit)
 
-    monkeypatch.setattr(generation_domino, "choose_draft_length", recording)
+    length = CostAwareDrafting.length
+    monkeypatch.setattr(CostAwareDrafting, "length", recording)
     processors = LogitsProcessorList([TemperatureLogitsWarper(1.5), TopKLogitsWarper(2)])
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
-    costs = DraftCosts(verify_seconds=(1.0, 1.7, 2.4, 3.1, 3.8), draft_seconds=0.1)
+    costs = DraftCosts(verify_seconds=(1.0, 1.1, 1.3, 1.6, 2.0), draft_seconds=0.05)
     strong_head_draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=costs)
     samples = []
     try:

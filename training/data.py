@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..targets import eos_token_ids, left_pad, prompt_token_ids
+from ..targets import eos_token_ids, left_pad, pad_token_id, prompt_token_ids
 from .features import target_signature
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ def regenerate_responses(
         if len(ids) <= max_prompt_tokens:
             todo.append((prompt, ids))
     todo.sort(key=lambda item: len(item[1]))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     eos_ids = eos_token_ids(target, tokenizer)
     device = target.device
     generator_seed = torch.Generator().manual_seed(seed)

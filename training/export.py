@@ -12,6 +12,7 @@ model files, so `AutoModel.from_pretrained(OUT, trust_remote_code=True)` (transf
 import argparse
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,13 @@ def export_sglang(draft_dir: str, output_dir: str) -> str:
     problems = sglang_problems(draft.config)
     if problems:
         raise ValueError(f"{draft_dir} cannot be served by SGLang as exported: " + "; ".join(problems) + ".")
+    if draft.config.draft_vocab_size is not None:
+        warnings.warn(
+            f"{draft_dir} drafts from a vocabulary of {draft.config.draft_vocab_size} tokens, which the published format "
+            "cannot hold: the export drafts over the whole vocabulary (its residual zero outside the draft's), so it "
+            "may propose tokens this draft never does, and its acceptance can differ.",
+            stacklevel=2,
+        )
     auto_map = {"AutoModel": "modeling_domino.DominoDraftModel"}
     published_format.save_published(draft, output_dir, dtype=torch.bfloat16, auto_map=auto_map)
     # The files `trust_remote_code` loading needs: the model file and the root files it imports, as save_pretrained
