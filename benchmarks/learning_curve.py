@@ -88,8 +88,8 @@ def checkpoints(args: argparse.Namespace, name: str) -> list[Path]:
 
 
 def cpu_hours(args: argparse.Namespace, name: str, checkpoint: Path) -> float:
-    """Hours of the training process's threads up to the save of `checkpoint` (a resumed run's pauses excluded only
-    if it never paused: the wall time between the start and the save)."""
+    """Wall hours from the training's start to the save of `checkpoint` (pauses of a resumed run included), times
+    the threads torch runs on here, which the training process used too."""
     started = json.loads((Path(args.runs) / name / STARTED).read_text())["time"]
     wall = (checkpoint / "trainer_state.json").stat().st_mtime - started
     return wall * torch.get_num_threads() / 3600
