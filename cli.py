@@ -129,7 +129,7 @@ class DraftArguments:
     draft_vocab_size: int | None = field(
         default=None,
         metadata={
-            "help": "Tokens the draft may propose: the N most frequent in the training responses (default: the "
+            "help": "Tokens the draft may propose: the N most frequent in the training responses (unset or 0: the "
             "target's whole vocabulary). Far cheaper drafting and training on CPU; the target still verifies all."
         },
     )
@@ -163,7 +163,7 @@ def draft_shape(draft_args: DraftArguments) -> dict:
         "residual_rank": draft_args.residual_rank,
         "target_layer_ids": [int(i) for i in layer_ids.split(",")] if layer_ids else None,
         "mask_token_id": draft_args.mask_token_id,
-        "draft_vocab_size": draft_args.draft_vocab_size,
+        "draft_vocab_size": draft_args.draft_vocab_size or None,  # 0: the whole vocabulary, as unset
     }
     return {name: value for name, value in fields.items() if value is not None}
 

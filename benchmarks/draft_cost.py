@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="also time drafting after draft.compile_drafting()")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead")
     parser.add_argument("--head-pool", type=int, default=0, help="DraftingOptions.candidate_pool (0: whole vocabulary)")
+    parser.add_argument("--draft-vocab-size", type=int, default=0, help="a draft vocabulary of N tokens (0: none)")
     parser.add_argument(
         "--no-cpu-optimization", dest="cpu_optimization", action="store_false",
         help="on CPU, time eager nn.Linear instead of preparing both models with optimize_for_cpu",
@@ -282,12 +283,15 @@ def derive(
 
 
 def build_models(
-    target_name: str, dtype: torch.dtype, device: str, draft_layers: int, block_size: int
+    target_name: str, dtype: torch.dtype, device: str, draft_layers: int, block_size: int, draft_vocab_size: int = 0
 ) -> tuple[transformers.PreTrainedModel, DominoDraftModel]:
-    """The target (`targets.load_target`) and a random draft matched to it, both built directly on `device`."""
+    """The target (`targets.load_target`) and a random draft matched to it, both built directly on `device`; with a
+    draft vocabulary of its first `draft_vocab_size` ids (which ids does not change the cost)."""
     target, _ = load_target(target_name, dtype, device)
+    draft_vocab = torch.arange(draft_vocab_size) if draft_vocab_size else None
     with torch.device(device):  # initialising ~1B draft parameters on the CPU would take longer than the GPU run
-        draft = DominoDraftModel.from_target(target, num_hidden_layers=draft_layers, block_size=block_size)
+        draft = DominoDraftModel.from_target(target, num_hidden_layers=draft_layers, block_size=block_size,
+                                             draft_vocab=draft_vocab)  # fmt: skip
     return target, draft.eval()
 
 
@@ -408,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores avoids OpenMP spin stalls
-    target, draft = build_models(args.target, DTYPES[args.dtype], args.device, args.draft_layers, args.block_size)
+    target, draft = build_models(args.target, DTYPES[args.dtype], args.device, args.draft_layers, args.block_size,
+                                 args.draft_vocab_size)  # fmt: skip
     model = model_summary(target, draft)
     optimization = optimize_for_cpu(target, draft) if args.cpu_optimization else None
 
