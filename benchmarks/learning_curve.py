@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-data", required=True, help="held-out regenerated data (.jsonl) for the proxy")
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
                         help="a curve: its name and the train flags it adds (repeatable)")  # fmt: skip
-    parser.add_argument("--steps", type=int, required=True, help="training steps of every variant")
+    parser.add_argument("--steps", type=int, required=True,
+                        help="training steps of every variant (one with its own --max_steps flag takes those)")  # fmt: skip
     parser.add_argument("--eval-every", type=int, required=True, help="steps between scored checkpoints")
     parser.add_argument("--tau-prompts", type=int, default=3, help="prompts of each bench set for tau")
     parser.add_argument("--tau-tokens", type=int, default=128, help="new tokens per prompt for tau")
@@ -118,30 +119,29 @@ def proxy(args: argparse.Namespace, name: str, draft, target, tokenizer, eval_da
             if key in ("eval_loss", "eval_acceptance_base", "eval_acceptance_final")}  # fmt: skip
 
 
-def score(args: argparse.Namespace, results: dict) -> None:
-    """Score every checkpoint of every variant not scored yet, writing the results after each."""
-    target, tokenizer = load_target(parse_train_arguments(train_flags(args, next(iter(args.variant))))[0].target)
+def score(args: argparse.Namespace, results: dict, name: str) -> None:
+    """Score every checkpoint of the variant `name` not scored yet, writing the results after each."""
+    target, tokenizer = load_target(parse_train_arguments(train_flags(args, name))[0].target)
     eval_dataset = load_checked_data(args.eval_data, target, tokenizer, max_length=1024).remove_columns("index")
     eos = eos_token_ids(target, tokenizer)
     prompts = [torch.tensor([prompt_token_ids(tokenizer, item["messages"])], device=target.device)
-               for name in EVAL_SETS for item in eval_prompts(name, args.tau_prompts)]  # fmt: skip
-    for name in args.variant:
-        points = results["curves"].setdefault(name, {})
-        for checkpoint in checkpoints(args, name):
-            if checkpoint.name in points:
-                continue
-            draft = DominoDraftModel.from_pretrained(checkpoint, dtype=target.dtype).to(target.device).eval()
-            state = json.loads((checkpoint / "trainer_state.json").read_text())
-            points[checkpoint.name] = {
-                "step": state["global_step"],
-                "examples": state["global_step"] * state["train_batch_size"],
-                "epoch": round(state["epoch"], 3),
-                "cpu_hours": round(cpu_hours(args, name, checkpoint), 3),
-                **proxy(args, name, draft, target, tokenizer, eval_dataset),
-                "tau": round(tau(draft, target, prompts, eos, args.tau_tokens), 3),
-            }
-            print(f"{name} {checkpoint.name}: {points[checkpoint.name]}", flush=True)
-            write(args.output, results)
+               for set_name in EVAL_SETS for item in eval_prompts(set_name, args.tau_prompts)]  # fmt: skip
+    points = results["curves"].setdefault(name, {})
+    for checkpoint in checkpoints(args, name):
+        if checkpoint.name in points:
+            continue
+        draft = DominoDraftModel.from_pretrained(checkpoint, dtype=target.dtype).to(target.device).eval()
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        points[checkpoint.name] = {
+            "step": state["global_step"],
+            "examples": state["global_step"] * state["train_batch_size"],
+            "epoch": round(state["epoch"], 3),
+            "cpu_hours": round(cpu_hours(args, name, checkpoint), 3),
+            **proxy(args, name, draft, target, tokenizer, eval_dataset),
+            "tau": round(tau(draft, target, prompts, eos, args.tau_tokens), 3),
+        }
+        print(f"{name} {checkpoint.name}: {points[checkpoint.name]}", flush=True)
+        write(args.output, results)
 
 
 def markdown(results: dict) -> str:
@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch "
         f"{torch.__version__}, transformers {transformers.__version__}."
     )
-    for name in args.variant:
+    for name in args.variant:  # scored as each finishes: the first curves come early
         train(args, name)
-    score(args, results)
+        score(args, results, name)
     write(args.output, results)
     print(markdown(results))
     return results
