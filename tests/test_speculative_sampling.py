@@ -62,10 +62,16 @@ NUM_HF_EOS_PROMPT_SAMPLES = 1000
 FIRST_ROUND = 3  # tokens of the second check: the prefill's token and the first round's first two
 
 
+# These check exact sampling with drafts verified, whatever verifying them costs: a batch of thousands of rows verifying
+# drafts costs a CPU so much that the cost-aware length would verify none (tested on its own below).
+FULL_BLOCKS = DraftingOptions(draft_length="full")
+
+
 @pytest.fixture(scope="module")
 def models():
     target = make_peaked(tiny_target("qwen3", seed=3), scale=5.0)
     draft = tiny_draft(target)
+    draft.drafting_options = FULL_BLOCKS
     prompt = torch.tensor([[5, 60, 21, 99, 14, 33, 8, 71]])
     return target, draft, prompt
 
@@ -127,7 +133,7 @@ def strong_head_draft(models):
     """
     target, _, prompt = models
     draft = tiny_draft(target, first_corrected_slot=0)
-    draft.drafting_options = DraftingOptions(candidate_pool=3)
+    draft.drafting_options = DraftingOptions(candidate_pool=3, draft_length="full")
     identity = LogitsProcessorList()  # a processor: the whole-vocabulary head loop, as in sampling
 
     def first_slot():
@@ -330,7 +336,8 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
     monkeypatch.setattr(CostAwareDrafting, "length", recording)
     processors = LogitsProcessorList([TemperatureLogitsWarper(1.5), TopKLogitsWarper(2)])
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
-    costs = DraftCosts(verify_seconds=(1.0, 1.1, 1.3, 1.6, 2.0), draft_seconds=0.05)
+    # The first draft pays where its confidence passes ~0.57, about the middle of this draft's.
+    costs = DraftCosts(verify_seconds=(1.0, 1.6, 1.93, 2.4, 3.0), draft_seconds=0.05)
     strong_head_draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=costs)
     samples = []
     try:
@@ -340,7 +347,7 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
                                         eos_token_id=EOS, pad_token_id=0, assistant_model=strong_head_draft)
             samples += _outcomes(sequences, prompt.shape[1])
     finally:
-        strong_head_draft.drafting_options = DraftingOptions()
+        strong_head_draft.drafting_options = DraftingOptions(candidate_pool=3, draft_length="full")
     assert len(set(lengths)) >= 2, set(lengths)  # rounds of different lengths
     assert_distributed_as(samples, exact, "HF-path sampling with the cost-aware draft length")
 

@@ -30,7 +30,14 @@ class DominoTrainingArguments(TrainingArguments):
 
     lambda_start: float = field(default=1.0, metadata={"help": "Base-loss weight at step 0 (0 disables the curriculum)."})
     decay_ratio: float = field(default=1.0, metadata={"help": "Fraction of the steps over which lambda falls to 0."})
-    num_anchors: int = field(default=256, metadata={"help": "Blocks trained per sequence."})
+    num_anchors: int = field(
+        default=256,
+        metadata={
+            "help": "Blocks trained per sequence (the published GPU recipe's 256). A step's cost grows with batch x "
+            "anchors x block size x draft vocabulary: on a CPU lower it, e.g. --num_anchors 32 "
+            "--per_device_train_batch_size 2 --draft_vocab_size 8192 (the SmolLM2 recipe, under a second a step)."
+        },
+    )
     loss_gamma: float = field(default=7.0, metadata={"help": "Position weights exp(-k / gamma)."})
     training_time_test: bool = field(
         default=False, metadata={"help": "The GRU reads the draft's own predictions instead of the ground truth."}
