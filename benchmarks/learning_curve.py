@@ -9,8 +9,9 @@ steps; every checkpoint is then scored twice:
   first `--tau-prompts` prompts of each bench set, `--tau-tokens` new tokens each.
 
 The x axes are the training examples seen and the CPU-hours the training process spent to reach the checkpoint (its
-wall time, read from the checkpoint's files, times the torch threads). Every variant reads the same data in the same
-order with the same seed. Rerunning skips the training and scoring already done. Prints a table and writes the
+wall time, read from the checkpoint's files, times its torch threads). Every variant reads the same data in the same
+order with the same seed. `--parallel` trains the variants at once, the cores split between them: on a small CPU a
+step's small matrices gain little from a second thread, so this draws more curves per hour. Rerunning skips the training and scoring already done. Prints a table and writes the
 results (JSON), a Markdown table and a figure beside `--output`.
 
     python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data runs/smollm2/data.jsonl \\
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tau-prompts", type=int, default=3, help="prompts of each bench set for tau")
     parser.add_argument("--tau-tokens", type=int, default=128, help="new tokens per prompt for tau")
     parser.add_argument("--runs", default="runs/curves", help="folder of the variants' training runs")
+    parser.add_argument("--parallel", action="store_true",
+                        help="train every variant at once, on an equal share of the cores each, then score them")  # fmt: skip
     parser.add_argument("--output", type=Path, required=True, help="results JSON (.md and .png beside it)")
     args = parser.parse_args(argv)
     args.variant = dict(variant.split("=", 1) for variant in args.variant)
@@ -70,16 +73,21 @@ def train_flags(args: argparse.Namespace, name: str) -> list[str]:
     return flags + shlex.split(args.variant[name])
 
 
-def train(args: argparse.Namespace, name: str) -> None:
-    """Run (or resume) the variant's training in its own process, noting when it began."""
+def start_training(args: argparse.Namespace, name: str, threads: int) -> subprocess.Popen:
+    """Run (or resume) the variant's training in its own process on `threads` threads, noting when it began."""
     folder = Path(args.runs) / name
     folder.mkdir(parents=True, exist_ok=True)
     started = folder / STARTED
     if not started.exists():
-        started.write_text(json.dumps({"time": time.time()}))
+        started.write_text(json.dumps({"time": time.time(), "threads": threads}))
     command = [sys.executable, "-m", "domino_spec.cli", "train", *train_flags(args, name)]
-    print("+ " + shlex.join(command), flush=True)
-    subprocess.run(command, check=True)
+    print(f"+ OMP_NUM_THREADS={threads} " + shlex.join(command), flush=True)
+    return subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+
+
+def wait(process: subprocess.Popen) -> None:
+    if process.wait() != 0:
+        raise SystemExit(f"training failed (status {process.returncode}): {shlex.join(process.args)}")
 
 
 def checkpoints(args: argparse.Namespace, name: str) -> list[Path]:
@@ -90,10 +98,10 @@ def checkpoints(args: argparse.Namespace, name: str) -> list[Path]:
 
 def cpu_hours(args: argparse.Namespace, name: str, checkpoint: Path) -> float:
     """Wall hours from the training's start to the save of `checkpoint` (pauses of a resumed run included), times
-    the threads torch runs on here, which the training process used too."""
-    started = json.loads((Path(args.runs) / name / STARTED).read_text())["time"]
-    wall = (checkpoint / "trainer_state.json").stat().st_mtime - started
-    return wall * torch.get_num_threads() / 3600
+    the threads the training ran on."""
+    started = json.loads((Path(args.runs) / name / STARTED).read_text())
+    wall = (checkpoint / "trainer_state.json").stat().st_mtime - started["time"]
+    return wall * started["threads"] / 3600
 
 
 @torch.no_grad()
@@ -193,11 +201,18 @@ def main(argv: list[str] | None = None) -> dict:
     results["settings"] = (
         f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps, scored every "
         f"{args.eval_every}; tau on the first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens. "
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch "
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        f"{' shared by the variants trained at once' if args.parallel else ''}; torch "
         f"{torch.__version__}, transformers {transformers.__version__}."
     )
-    for name in args.variant:  # scored as each finishes: the first curves come early
-        train(args, name)
+    cores = torch.get_num_threads()
+    if args.parallel:
+        processes = [start_training(args, name, max(1, cores // len(args.variant))) for name in args.variant]
+        for process in processes:
+            wait(process)
+    for name in args.variant:  # one at a time, each scored as it finishes: the first curves come early
+        if not args.parallel:
+            wait(start_training(args, name, cores))
         score(args, results, name)
     write(args.output, results)
     print(markdown(results))
