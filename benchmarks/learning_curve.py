@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tau-prompts", type=int, default=3, help="prompts of each bench set for tau")
     parser.add_argument("--tau-tokens", type=int, default=128, help="new tokens per prompt for tau")
     parser.add_argument("--runs", default="runs/curves", help="folder of the variants' training runs")
+    parser.add_argument("--score-only", action="store_true",
+                        help="score the checkpoints the variants' runs hold, training nothing (an unfinished run)")  # fmt: skip
     parser.add_argument("--parallel", action="store_true",
                         help="train every variant at once, on an equal share of the cores each, then score them")  # fmt: skip
     parser.add_argument("--output", type=Path, required=True, help="results JSON (.md and .png beside it)")
@@ -206,12 +208,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"{torch.__version__}, transformers {transformers.__version__}."
     )
     cores = torch.get_num_threads()
-    if args.parallel:
+    if args.parallel and not args.score_only:
         processes = [start_training(args, name, max(1, cores // len(args.variant))) for name in args.variant]
         for process in processes:
             wait(process)
     for name in args.variant:  # one at a time, each scored as it finishes: the first curves come early
-        if not args.parallel:
+        if not args.parallel and not args.score_only:
             wait(start_training(args, name, cores))
         score(args, results, name)
     write(args.output, results)

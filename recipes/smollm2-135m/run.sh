@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reproduce the shipped SmolLM2-135M drafts, their learning curves and the README's results on a CPU machine.
 # Rerun it after an interruption: regeneration, feature caching, training and scoring resume; finished steps are kept.
-# CHUNKS (default 1) sets how many chunks of 2,000 prompts are regenerated and trained on.
+# CHUNKS (default 1) sets how many chunks of 2,000 prompts are regenerated and trained on, STEPS (default 2500) the
+# training steps of each draft.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUN=runs/smollm2
@@ -21,23 +22,22 @@ for chunk in $(seq 1 "$CHUNKS"); do cat $RUN/data_chunk$chunk.jsonl; done > $DAT
 domino-spec generate-data --target smollm2-135m --prompts $RUN/held_out_prompts.jsonl --output $RUN/held_out.jsonl \
     --max-new-tokens 256 --batch-size 48 --limit 100
 domino-spec cache-features --config recipes/smollm2-135m/train.yaml --data $DATA --output $FEATURES
-# Learning curves: the first recipe's shape, then the recipe changes, each scored on held-out data and bench prompts.
-python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data $DATA \
-    --features $FEATURES --eval-data $RUN/held_out.jsonl --steps 3000 --eval-every 500 --runs $RUN/curves_$CHUNKS \
-    --variant "first-recipe=--draft_vocab_size 0" --variant "draft-vocab-8k=" \
-    --variant "draft-vocab-8k-target-layers=--init_from_target_layers true" \
-    --variant "draft-vocab-8k-block-16=--block_size 16" \
+# The shipped drafts, with and without the Domino head (same data, steps and seed), trained at once and scored as
+# learning curves. Another `--variant "NAME=TRAIN FLAGS"` adds a recipe change to compare, e.g.
+# "target-layers=--init_from_target_layers true", "block-16=--block_size 16", "whole-vocabulary=--draft_vocab_size 0".
+CURVES=$RUN/curves_$CHUNKS
+python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data $DATA --features $FEATURES \
+    --eval-data $RUN/held_out.jsonl --steps ${STEPS:-2500} --eval-every 500 --tau-prompts 2 --tau-tokens 96 \
+    --runs $CURVES --parallel \
+    --variant "domino=" --variant "dflash=--use_domino_head false" \
     --output benchmarks/results/learning_curve_smollm2-135m.json
-# The shipped drafts: the recipe, with and without the Domino head (same data, steps and seed).
-for variant in domino dflash; do
-    head=$([ $variant = domino ] && echo true || echo false)
-    domino-spec train --config recipes/smollm2-135m/train.yaml --data $DATA --features $FEATURES \
-        --use_domino_head $head --output $RUN/$variant
-done
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
-python recipes/smollm2-135m/ship.py $RUN/domino checkpoints/domino-smollm2-135m
-python recipes/smollm2-135m/ship.py $RUN/dflash $RUN/dflash-bf16
+python recipes/smollm2-135m/ship.py $CURVES/domino checkpoints/domino-smollm2-135m
+python recipes/smollm2-135m/ship.py $CURVES/dflash $RUN/dflash-bf16
 # --quality scores HumanEval by running SmolLM2's programs here, in the sandbox the README describes.
-domino-spec bench --domino checkpoints/domino-smollm2-135m --dflash $RUN/dflash-bf16 --limit 10 --quality \
-    --allow-code-execution --output $RUN/bench
-python recipes/smollm2-135m/ship.py $RUN/domino checkpoints/domino-smollm2-135m --bench $RUN/bench/bench_results.json
+domino-spec bench --domino checkpoints/domino-smollm2-135m --dflash $RUN/dflash-bf16 --limit 10 --max-new-tokens 128 \
+    --quality --allow-code-execution --output $RUN/bench
+cp $RUN/bench/bench_results.json benchmarks/results/bench_smollm2-135m.json
+cp $RUN/bench/bench_results.md benchmarks/results/bench_smollm2-135m.md
+cp $RUN/bench/bench_acceptance.png benchmarks/results/bench_smollm2-135m_acceptance.png
+python recipes/smollm2-135m/ship.py $CURVES/domino checkpoints/domino-smollm2-135m --bench $RUN/bench/bench_results.json
