@@ -48,7 +48,7 @@ def test_shipped_draft_is_lossless_and_accepts_more_than_one_token(smollm2):
     for prompt in prompts:
         output = speculative_generate(target, untrained, torch.tensor([prompt]), max_new_tokens=64)
         untrained_rounds += output.acceptance_lengths[0]
-    # The shipped draft measured tau 1.42 on these prompts (1.17-1.65 on the bench sets); an untrained one ~1.0.
+    # A trained draft accepts more than an untrained one of its shape, which the target rejects almost always.
     assert sum(rounds) / len(rounds) > sum(untrained_rounds) / len(untrained_rounds) + 0.2
 
 
