@@ -11,8 +11,9 @@ steps; every checkpoint is then scored twice:
 The x axes are the training examples seen and the CPU-hours the training process spent to reach the checkpoint (its
 wall time, read from the checkpoint's files, times its torch threads). Every variant reads the same data in the same
 order with the same seed. `--parallel` trains the variants at once, the cores split between them: on a small CPU a
-step's small matrices gain little from a second thread, so this draws more curves per hour. Rerunning skips the training and scoring already done. Prints a table and writes the
-results (JSON), a Markdown table and a figure beside `--output`.
+step's small matrices gain little from a second thread, so this draws more curves per hour. Rerunning skips the
+training and scoring already done. Prints a table and writes the results (JSON), a Markdown table and a figure
+beside `--output`.
 
     python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data runs/smollm2/data.jsonl \\
         --features runs/smollm2/features --eval-data runs/smollm2/held_out.jsonl --steps 3000 --eval-every 500 \\
@@ -208,12 +209,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"{torch.__version__}, transformers {transformers.__version__}."
     )
     cores = torch.get_num_threads()
-    if args.parallel and not args.score_only:
+    train_all_first = args.parallel and not args.score_only
+    if train_all_first:
         processes = [start_training(args, name, max(1, cores // len(args.variant))) for name in args.variant]
         for process in processes:
             wait(process)
     for name in args.variant:  # one at a time, each scored as it finishes: the first curves come early
-        if not args.parallel and not args.score_only:
+        if not (train_all_first or args.score_only):
             wait(start_training(args, name, cores))
         score(args, results, name)
     write(args.output, results)
