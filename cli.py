@@ -454,6 +454,11 @@ def bench(argv: list[str]) -> None:
         help="drafts verified per round: cost (as many as pay, the cost model measured here), full (every draft), "
         "auto (cost on CPU, full elsewhere)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prompt-lookup", type=int, default=DraftingOptions.prompt_lookup, metavar="N",
+        help="with a cost-aware draft length, verify the tokens that followed an earlier occurrence of the last N "
+        "tokens (or fewer) instead of drafting, in rounds where that pays; 0: every round drafts",
+    )  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (quick runs)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--quality", action="store_true", help="also score every method's outputs with evaluate")
@@ -487,7 +492,7 @@ def bench(argv: list[str]) -> None:
     drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
               for name, folder in folders.items()}  # fmt: skip
     for draft in drafts.values():
-        draft.drafting_options = DraftingOptions(draft_length=args.draft_length)
+        draft.drafting_options = DraftingOptions(draft_length=args.draft_length, prompt_lookup=args.prompt_lookup)
     optimization = None
     if target.device.type == "cpu" and not args.no_cpu_optimization:
         print("preparing the target and drafts for multi-token passes on this CPU (optimize_for_cpu)", flush=True)

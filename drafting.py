@@ -1,14 +1,16 @@
-"""Run-time options of drafting, the cost-aware draft length (how many of a block's drafts to verify), and compiled
-drafting.
+"""Run-time options of drafting, the cost-aware draft length (how many of a block's drafts to verify), prompt lookup
+rounds, and compiled drafting.
 
 A verify pass over the anchor and k drafts takes `verify_seconds[k]`, which on a CPU grows with k, and commits in
 expectation `1 + sum_{i<=k} c_1 ... c_i` tokens, `c_i` the draft's confidence in its i-th token (the probability
-its distribution gives its most likely token). `choose_draft_length` adds drafts while they raise the expected
-tokens per second of the round, `(1 + sum ...) / (draft_seconds + verify_seconds[k])`. Whether draft i is verified
-depends on the confidences of drafts 1..i only, properties of the distributions the draft samples from (which depend
-on the drafts before i, never on draft i itself): a stopping rule, under which exact speculative sampling stays exact. A round drafts at all
-only when rounds like the recent ones beat a plain decode step (`CostAwareDrafting`): it would pay for the drafting
-round even if it then verified no draft.
+its distribution gives its most likely token). `choose_draft_length` picks the k with the most expected tokens per
+second, `(1 + sum ...) / (draft_seconds + verify_seconds[k])`. When sampling, it adds drafts while they raise that
+rate instead: whether draft i is verified then depends on the confidences of drafts 1..i only, properties of the
+distributions the draft samples from (which depend on the drafts before i, never on draft i itself), a stopping rule
+under which exact speculative sampling stays exact. A round drafts at all only when rounds like the recent ones beat
+a plain decode step (`CostAwareDrafting`): it would pay for the drafting round even if it then verified no draft.
+Where the context's last tokens occurred before, the tokens that followed them there cost no drafting at all
+(`prompt_lookup`); a round verifies them instead of drafts where the run's earlier such rounds say that pays more.
 
 Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and
 transformers.
@@ -59,6 +61,8 @@ class DraftingOptions:
     draft_length: str = "auto"  # "cost": verify as many drafts as pay (`choose_draft_length`); "full": all of them;
     # "auto": "cost" on CPU, "full" on accelerators, where a verify pass costs about the same for any block
     draft_costs: DraftCosts | None = None  # the costs "cost" weighs; None: measured once per process, target, draft
+    prompt_lookup: int = 3  # with a cost-aware length: rounds whose last tokens (up to this many) occurred before
+    # verify what followed them there instead of drafting, where that pays (`prompt_lookup`); 0: off
 
     def __post_init__(self):
         pool = self.candidate_pool
@@ -71,6 +75,9 @@ class DraftingOptions:
             )
         if self.draft_length not in DRAFT_LENGTHS:
             raise ValueError(f"draft_length={self.draft_length!r} is invalid: expected one of {DRAFT_LENGTHS}.")
+        lookup = self.prompt_lookup
+        if not (isinstance(lookup, int) and not isinstance(lookup, bool) and lookup >= 0):
+            raise ValueError(f"prompt_lookup={lookup!r} is invalid: expected 0 (off) or the longest n-gram to match.")
 
     def check_device(self, device: torch.device) -> None:
         """`RuntimeError` if the fused step cannot run on `device`."""
@@ -84,70 +91,144 @@ class DraftingOptions:
         return self.draft_length == "cost" or (self.draft_length == "auto" and device.type == "cpu")
 
 
-def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts) -> int:
+def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts, look_ahead: bool = False) -> int:
     """How many of the drafts to verify: `confidence` `[B, S]` (every row verifies the same number) and the round's
-    costs. Stops at the first draft that lowers the round's expected tokens per second (the verify cost is taken
-    non-decreasing in k, so one noisy measurement cannot stop it early)."""
+    costs (the verify cost taken non-decreasing in k, so one noisy measurement cannot stop it early).
+
+    Stops at the first draft that lowers the round's expected tokens per second: a stopping rule, which exact
+    sampling needs (a draft's confidence depends on the drafts before it). With `look_ahead`, for greedy decoding and
+    for tokens not drawn from the draft, the length with the most expected tokens per second over all lengths
+    (a CPU's verify cost can jump at two drafts and stay flat after, where only a longer block pays).
+    """
     num_drafts = min(confidence.shape[1], len(costs.verify_seconds) - 1)
     confidence = confidence[:, :num_drafts].double().nan_to_num(0.0)  # NaN: a slot that had no finite logit
-    reach = confidence.cumprod(dim=1).sum(dim=0).tolist()  # [S]: rows reaching draft i
-    expected, seconds = float(confidence.shape[0]), costs.draft_seconds + costs.verify_seconds[0]
-    for index, gain in enumerate(reach):
-        longer = max(seconds, costs.draft_seconds + costs.verify_seconds[index + 1])
-        if (expected + gain) / longer < expected / seconds:
-            return index
-        expected, seconds = expected + gain, longer
-    return num_drafts
+    reach = confidence.cumprod(dim=1).sum(dim=0)  # [S]: rows reaching draft i
+    expected = confidence.shape[0] + torch.cat([reach.new_zeros(1), reach.cumsum(0)])  # [S + 1]: for k = 0..S drafts
+    seconds = costs.draft_seconds + torch.tensor(costs.verify_seconds[: num_drafts + 1]).cummax(0).values
+    rates = (expected / seconds).tolist()
+    if look_ahead:
+        return max(range(num_drafts + 1), key=lambda k: (rates[k], -k))
+    falls = [k for k in range(num_drafts) if rates[k + 1] < rates[k]]
+    return falls[0] if falls else num_drafts
+
+
+def prompt_lookup(sequence: torch.Tensor, max_ngram_size: int, max_tokens: int) -> tuple[torch.Tensor, int]:
+    """The tokens `[L]` (at most `max_tokens`) that followed the latest earlier occurrence of the last n tokens of
+    `sequence` `[T]`, for the largest n <= `max_ngram_size` that occurred before, and n; an empty tensor and 0 where
+    none did (prompt lookup decoding: text often repeats its prompt or itself)."""
+    for size in range(min(max_ngram_size, sequence.shape[0] - 1), 0, -1):
+        windows = sequence[:-1].unfold(0, size, 1)  # [T - size, size]: the n-grams a token follows
+        starts = (windows == sequence[-size:]).all(-1).nonzero().flatten()
+        if starts.numel() > 0:
+            start = int(starts[-1]) + size
+            return sequence[start : start + max_tokens], size
+    return sequence[:0], 0
+
+
+def certain_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits `[B, k, V]` giving each of `tokens` `[B, k]` all the probability: the q of a draft that was not drawn
+    from a distribution (exact speculative sampling then accepts it with the target's probability of it)."""
+    logits = torch.full((*tokens.shape, vocab_size), -torch.inf, device=tokens.device)
+    return logits.scatter_(-1, tokens[..., None], 0.0)
 
 
 class CostAwareDrafting:
-    """The cost-aware draft length of one decoding run: before a round, whether it drafts at all (`should_draft`);
+    """The cost-aware draft length of one decoding run: before a round, whether the tokens that followed a repeat of
+    the context are worth verifying instead of drafting (`look_up`), and whether to draft at all (`should_draft`);
     after drafting, how many of the drafts to verify (`length`).
 
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
     with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
-    second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. Both
-    decisions depend on earlier rounds and on the distributions of the drafts up to the one decided, so sampling stays
-    exact.
+    second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. A
+    looked-up round costs no drafting; how far its tokens are accepted is estimated per matched n-gram size and
+    position from the run's earlier looked-up rounds. Every decision depends on earlier rounds, the committed tokens
+    and the distributions of the drafts up to the one decided, so sampling stays exact.
     """
 
     MAX_SKIPPED = 16
 
-    def __init__(self, costs: DraftCosts):
+    def __init__(self, costs: DraftCosts, prompt_lookup: int = 0, do_sample: bool = False):
         self.costs = costs
+        self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
         self.expected: torch.Tensor | None = None  # [S]: the recent confidences, per draft position
         self.pays, self.skipped, self.wait = True, 0, 1
+        self.max_ngram_size = prompt_lookup
+        # Per matched n-gram size and position: looked-up tokens accepted, and verified with all before them accepted.
+        # The counts start at one of two, a prior of one half.
+        num_drafts = len(costs.verify_seconds) - 1
+        self.lookup_accepted = torch.ones(prompt_lookup, num_drafts, dtype=torch.float64)
+        self.lookup_reached = torch.full((prompt_lookup, num_drafts), 2.0, dtype=torch.float64)
+        self.looked_up: list[int] = []  # the n-gram size of each row of the last looked-up round, empty after drafting
 
     def should_draft(self) -> bool:
-        """Before a round: draft it, or decode plainly (then call `skipped`)."""
+        """Before a round: draft it, or decode plainly (then call `skipped_round`)."""
         return self.pays or self.skipped >= self.wait
 
     def skipped_round(self) -> None:
         self.skipped += 1
 
+    def look_up(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
+        """Before a round, given each row's committed tokens: the tokens `[B, k]` (k <= `limit`) that followed an
+        earlier occurrence of each row's last tokens (`prompt_lookup`), where verifying them is expected to commit
+        tokens faster than drafting or a plain step; None to draft (or not) as usual."""
+        self.looked_up = []
+        if self.max_ngram_size == 0 or limit == 0:
+            return None
+        found, lengths = [], []
+        for sequence in sequences:
+            tokens, size = prompt_lookup(sequence, self.max_ngram_size, limit)
+            length = self._lookup_length(size, tokens.shape[0]) if size else 0
+            if length == 0:
+                return None
+            found.append((tokens, size))
+            lengths.append(length)
+        self.looked_up = [size for _, size in found]
+        return torch.stack([tokens[: min(lengths)] for tokens, _ in found])
+
+    def accepted(self, num_verified: int, num_accepted: list[int]) -> None:
+        """After verifying: how many of the `num_verified` drafts each row accepted (learns from looked-up rounds)."""
+        positions = torch.arange(num_verified)
+        for size, count in zip(self.looked_up, num_accepted):
+            self.lookup_reached[size - 1, :num_verified] += (positions <= count).double()
+            self.lookup_accepted[size - 1, :num_verified] += (positions < count).double()
+        self.looked_up = []
+
     def length(self, confidence: torch.Tensor, limit: int) -> int:
         """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
         recent = confidence.double().nan_to_num(0.0).mean(0).cpu()  # NaN: a slot that had no finite logit
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
-        self.pays = self._pays()
+        self.pays = self._round_rate(self.expected, self.costs) > 1 / self.costs.verify_seconds[0]
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self.MAX_SKIPPED)
-        return min(limit, choose_draft_length(confidence, self.costs))
+        return min(limit, choose_draft_length(confidence, self.costs, self.look_ahead))
 
-    def _pays(self) -> bool:
-        """Whether a round of the expected confidences commits more tokens per second than a plain decode step."""
-        confidence = self.expected[None]
-        length = choose_draft_length(confidence, self.costs)
-        tokens = 1 + float(confidence[0, :length].cumprod(0).sum())
-        seconds = self.costs.draft_seconds + max(self.costs.verify_seconds[: length + 1])
-        return tokens / seconds > 1 / self.costs.verify_seconds[0]
+    def _lookup_length(self, ngram_size: int, num_tokens: int) -> int:
+        """How many of `num_tokens` looked-up tokens to verify: 0 where a drafting round (if it pays) or a plain step
+        is expected to commit tokens faster."""
+        rates = self.lookup_accepted[ngram_size - 1, :num_tokens] / self.lookup_reached[ngram_size - 1, :num_tokens]
+        free = DraftCosts(self.costs.verify_seconds, 0.0)
+        best_other = 1 / self.costs.verify_seconds[0]
+        if self.pays and self.expected is not None:
+            best_other = max(best_other, self._round_rate(self.expected, self.costs))
+        if self._round_rate(rates, free) <= best_other:
+            return 0
+        return choose_draft_length(rates[None], free, look_ahead=True)
+
+    @staticmethod
+    def _round_rate(confidence: torch.Tensor, costs: DraftCosts) -> float:
+        """Tokens per second of a round whose drafts are accepted with conditional probabilities `confidence` `[S]`."""
+        length = choose_draft_length(confidence[None], costs, look_ahead=True)
+        tokens = 1 + float(confidence[:length].cumprod(0).sum())
+        return tokens / (costs.draft_seconds + max(costs.verify_seconds[: length + 1]))
 
 
-def cost_aware_drafting(target, draft, options: DraftingOptions, batch_size: int = 1) -> CostAwareDrafting | None:
-    """The cost-aware draft length of a run, with the given costs or those measured here; None where `options`
-    verify every draft."""
+def cost_aware_drafting(target, draft, options: DraftingOptions, batch_size: int = 1,
+                        do_sample: bool = False) -> CostAwareDrafting | None:  # fmt: skip
+    """The cost-aware draft length of a run (sampling or not), with the given costs or those measured here; None
+    where `options` verify every draft."""
     if not options.cost_aware(target.device):
         return None
-    return CostAwareDrafting(options.draft_costs or measure_draft_costs(target, draft, options, batch_size))
+    costs = options.draft_costs or measure_draft_costs(target, draft, options, batch_size)
+    return CostAwareDrafting(costs, options.prompt_lookup, do_sample)
 
 
 _measured: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
@@ -252,4 +333,5 @@ def _synchronize(device: torch.device) -> None:
 
 
 __all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "CostAwareDrafting", "DraftCosts", "DraftingOptions",
-           "choose_draft_length", "cost_aware_drafting", "forget_draft_costs", "measure_draft_costs"]  # fmt: skip
+           "certain_logits", "choose_draft_length", "cost_aware_drafting", "forget_draft_costs", "measure_draft_costs",
+           "prompt_lookup"]  # fmt: skip

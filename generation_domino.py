@@ -23,7 +23,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_domino import DominoContextCache
 from .configuration_domino import check_input_ids
-from .drafting import cost_aware_drafting
+from .drafting import certain_logits, cost_aware_drafting
 from .transformers_compat import croppable_cache, passed_cache
 
 
@@ -94,7 +94,8 @@ class DominoCandidateGenerator(CandidateGenerator):
             if self.do_sample:
                 mask = StopStringDraftMask(self.stop_strings)
                 self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
-        self.drafting = cost_aware_drafting(target, draft, self.options)
+        self.drafting = cost_aware_drafting(target, draft, self.options, do_sample=self.do_sample)
+        self.num_proposed = 0  # candidates of the last round
 
     def get_candidates(
         self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
@@ -120,10 +121,15 @@ class DominoCandidateGenerator(CandidateGenerator):
         else:
             positions = torch.arange(input_ids.shape[1], device=device)[None]
             context_mask = None
-        if self.drafting is not None and not self.drafting.should_draft():  # a plain round: only read the context
+        looked_up = self.drafting.look_up([input_ids[0]], num_candidates) if self.drafting is not None else None
+        if self.drafting is not None and (looked_up is not None or not self.drafting.should_draft()):
+            # a looked-up or a plain round: the draft only reads the context
             self.draft.extend_context(self.cache, target_hidden.to(device), positions[:, cached:-1], context_mask)
             self.drafting.skipped_round()
-            return input_ids, None
+            if looked_up is None:
+                return input_ids, None
+            return self._candidates(input_ids, looked_up, certain_logits(looked_up, self.lm_head.weight.shape[0]),
+                                    looked_up.shape[1])  # fmt: skip
         draft = self.draft.draft_block(
             anchor_ids=input_ids[:, -1].to(device),
             anchor_position_ids=positions[:, -1],
@@ -140,13 +146,17 @@ class DominoCandidateGenerator(CandidateGenerator):
         )
         if self.drafting is not None:
             num_candidates = self.drafting.length(draft.confidence, num_candidates)
-        num_candidates = self._cut_at_stop(input_ids, draft.tokens, num_candidates)
+        return self._candidates(input_ids, draft.tokens, draft.logits, num_candidates)
+
+    def _candidates(self, input_ids, tokens, logits, num_candidates: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt with the first `num_candidates` of `tokens` `[1, S]` appended, cut at a stop, and their logits."""
+        num_candidates = self._cut_at_stop(input_ids, tokens, num_candidates)
+        self.num_proposed = num_candidates
         if num_candidates == 0:
             # No candidates: return no logits either, transformers' speculative sampling cannot take an empty block.
             return input_ids, None
-        tokens = draft.tokens[:, :num_candidates].to(input_ids.device)
-        logits = draft.logits[:, :num_candidates].to(input_ids.device)
-        return torch.cat([input_ids, tokens], dim=-1), logits
+        tokens = tokens[:, :num_candidates].to(input_ids.device)
+        return torch.cat([input_ids, tokens], dim=-1), logits[:, :num_candidates].to(input_ids.device)
 
     def _prefill_candidates(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """No drafts before the target has run, except a placeholder where the prompt itself ends in a stop.
@@ -167,12 +177,12 @@ class DominoCandidateGenerator(CandidateGenerator):
             placeholder = torch.full_like(input_ids[:, -1:], token)  # [1, 1]
             if self._cut_at_stop(input_ids, placeholder, 1) == 1:
                 break
-        logits = torch.full((1, 1, vocab_size), -torch.inf, device=input_ids.device)
-        logits[0, 0, token] = 0.0
-        return torch.cat([input_ids, placeholder], dim=-1), logits
+        return torch.cat([input_ids, placeholder], dim=-1), certain_logits(placeholder, vocab_size)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
-        """Nothing to adapt from the matches: the draft length follows the draft's confidence."""
+        """The draft length follows the draft's confidence; looked-up rounds learn how far their tokens match."""
+        if self.drafting is not None:
+            self.drafting.accepted(self.num_proposed, [int(num_matches)])
 
     def _cut_at_stop(self, input_ids: torch.Tensor, tokens: torch.Tensor, num_candidates: int) -> int:
         """Stop proposing after an EOS draft, and before a draft that would complete a stop string.

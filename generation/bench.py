@@ -25,7 +25,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 
 import torch
@@ -46,9 +46,11 @@ METHODS = {
     "dflash": "a backbone-only (DFlash) draft",
     "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
     "domino": "the Domino draft in the native engine",
+    "domino-alone": "the Domino draft in the native engine, every round drafted (no prompt lookup)",
 }
-NATIVE_METHODS = ("plain-native", "dflash", "domino")  # speculative_generate, timed against plain-native
-DRAFT_OF = {"dflash": "dflash", "domino": "domino", "domino-hf": "domino"}  # the --dflash / --domino draft each uses
+NATIVE_METHODS = ("plain-native", "dflash", "domino", "domino-alone")  # speculative_generate, against plain-native
+# the --dflash / --domino draft each uses
+DRAFT_OF = {"dflash": "dflash", "domino": "domino", "domino-hf": "domino", "domino-alone": "domino"}
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 WARMUP_TOKENS = 16  # an untimed decode per method before the timed ones
 
@@ -62,6 +64,7 @@ class MethodRun:
     verified_tokens: int = 0  # tokens committed by verify passes (tau's numerator)
     verify_passes: int = 0
     drafts_verified: int = 0  # drafts the verify passes read (with the cost-aware length, fewer than the block's)
+    looked_up_rounds: int | None = None  # native engine: verify passes of looked-up tokens (prompt lookup)
     round_lengths: list[int] = field(default_factory=list)  # native engine: tokens committed per round
     position_accepted: list[int] = field(default_factory=list)  # native engine: rounds accepting the k-th draft
     position_verified: list[int] = field(default_factory=list)  # and rounds verifying one, per draft position
@@ -98,6 +101,8 @@ class MethodRun:
             "verified_tokens": self.verified_tokens,  # tau = verified_tokens / verify_passes
             "verify_passes": self.verify_passes,
             "drafts_per_round": round(self.drafts_verified / self.verify_passes, 3) if self.verify_passes else None,
+            "looked_up_fraction": (round(self.looked_up_rounds / self.verify_passes, 3)
+                                   if self.verify_passes and self.looked_up_rounds is not None else None),  # fmt: skip
             "position_acceptance": pooled_position_rates(self.position_accepted, self.position_verified),
             "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
             "identical": self.identical,
@@ -128,7 +133,9 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
     if method in NATIVE_METHODS:
         start = clock()
         draft = drafts[DRAFT_OF[method]] if method in DRAFT_OF else None
-        output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        options = replace(draft.drafting_options, prompt_lookup=0) if method == "domino-alone" else None
+        output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                      options=options)  # fmt: skip
         run.seconds += clock() - start
         tokens = output.sequences[0, input_ids.shape[1] :].tolist()[: output.num_new_tokens[0]]
         run.round_lengths += output.acceptance_lengths[0]
@@ -136,6 +143,7 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
         run.verified_tokens += sum(output.acceptance_lengths[0])
         run.verify_passes += len(output.acceptance_lengths[0])
         run.drafts_verified += output.drafts_verified
+        run.looked_up_rounds = (run.looked_up_rounds or 0) + output.looked_up_rounds
         return tokens
     extra = {
         "plain": {},
@@ -269,15 +277,16 @@ def machine_description() -> dict:
 
 def markdown_table(results: list[dict]) -> str:
     lines = [
-        "| eval set | method | tau (mean acceptance) | drafts verified per round | tokens/s | speedup (same engine) "
-        "| speedup over eager generate | identical to plain |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| eval set | method | tau (mean acceptance) | drafts verified per round | rounds looked up | tokens/s "
+        "| speedup (same engine) | speedup over eager generate | identical to plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results:
         identical = f"{row['identical']}/{row['prompts']}"
         drafts = "-" if row["drafts_per_round"] is None else f"{row['drafts_per_round']:.2f}"
+        looked_up = "-" if row.get("looked_up_fraction") is None else f"{row['looked_up_fraction']:.0%}"
         lines.append(
-            f"| {row['eval_set']} | {row['method']} | {row['mean_acceptance_length']:.2f} | {drafts} | "
+            f"| {row['eval_set']} | {row['method']} | {row['mean_acceptance_length']:.2f} | {drafts} | {looked_up} | "
             f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {row['speedup_over_eager']:.2f}x | {identical} |"
         )
     return "\n".join(lines)

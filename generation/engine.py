@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
 from ..configuration_domino import check_input_ids
-from ..drafting import CostAwareDrafting, DraftingOptions, cost_aware_drafting
+from ..drafting import CostAwareDrafting, DraftingOptions, certain_logits, cost_aware_drafting
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 
@@ -46,6 +46,8 @@ class SpeculativeOutput:
         num_rounds (`int`): verify passes after the prefill (batched: one pass serves every active row).
         drafts_verified (`int`): drafts the verify passes read, summed over rounds (with the cost-aware draft length,
             fewer than the block's).
+        looked_up_rounds (`int`): rounds that verified the tokens following an earlier occurrence of the context's
+            last tokens instead of drafts (`DraftingOptions.prompt_lookup`).
     """
 
     sequences: torch.LongTensor
@@ -60,6 +62,7 @@ class SpeculativeOutput:
     total_time: float = 0.0
     num_rounds: int = 0
     drafts_verified: int = 0
+    looked_up_rounds: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -167,7 +170,9 @@ class _Setup:
 class _Record:
     """The output buffer and statistics: committed tokens per row, acceptance per round, phase times."""
 
-    def __init__(self, batch_size: int, setup: _Setup, pad_token_id: int, device: torch.device):
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, setup: _Setup, pad_token_id: int):
+        batch_size, device = input_ids.shape[0], input_ids.device
+        self.prompts = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
         width = setup.max_new_tokens + setup.num_drafts + 1  # room for a whole block past the budget
         self.generated = torch.full((batch_size, width), pad_token_id, dtype=torch.long, device=device)
         self.num_generated = [0] * batch_size
@@ -175,7 +180,11 @@ class _Record:
         self.accepted = torch.zeros(setup.num_drafts, dtype=torch.long)  # per draft position
         self.verified = torch.zeros(setup.num_drafts, dtype=torch.long)
         self.draft_time = self.verify_time = 0.0
-        self.num_rounds = self.drafts_verified = 0
+        self.num_rounds = self.drafts_verified = self.looked_up_rounds = 0
+
+    def tokens(self, row: int) -> torch.Tensor:
+        """The committed tokens `[T]` of original row `row`: its prompt and what it generated."""
+        return torch.cat([self.prompts[row], self.generated[row, : self.num_generated[row]]])
 
     def commit(self, rows: _Rows, candidates: torch.Tensor, count: torch.Tensor, is_round: bool) -> None:
         """Append each row's first `count` candidates `[B, S + 1]` after its previous tokens."""
@@ -188,7 +197,8 @@ class _Record:
             if is_round:
                 self.acceptance_lengths[row].append(tokens)
 
-    def round(self, num_accepted: torch.Tensor, num_drafts: int, draft_time: float, verify_time: float) -> None:
+    def round(self, num_accepted: torch.Tensor, num_drafts: int, draft_time: float, verify_time: float,
+              looked_up: bool) -> None:  # fmt: skip
         drafts = torch.arange(num_drafts, device=num_accepted.device)
         self.accepted[:num_drafts] += (num_accepted[:, None] > drafts).sum(0).cpu()
         self.verified[:num_drafts] += num_accepted.shape[0]
@@ -196,6 +206,7 @@ class _Record:
         self.verify_time += verify_time
         self.num_rounds += 1
         self.drafts_verified += num_drafts
+        self.looked_up_rounds += looked_up
 
     def output(self, input_ids: torch.Tensor, prefill_time: float, total_time: float) -> SpeculativeOutput:
         return SpeculativeOutput(
@@ -211,6 +222,7 @@ class _Record:
             total_time=total_time,
             num_rounds=self.num_rounds,
             drafts_verified=self.drafts_verified,
+            looked_up_rounds=self.looked_up_rounds,
         )
 
 
@@ -255,11 +267,13 @@ def speculative_generate(
                                       top_p, eos_token_id, pad_token_id, generator, options)
     clock = DeviceClock(input_ids.device)
     start = clock()
-    record = _Record(input_ids.shape[0], setup, pad_token_id, input_ids.device)
+    record = _Record(input_ids, attention_mask, setup, pad_token_id)
     max_slots = input_ids.shape[1] + max_new_tokens * (setup.num_drafts + 1)  # every round's rejected drafts kept
     cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
     draft_cache = DominoContextCache()
-    drafting = cost_aware_drafting(target, draft, setup.options, input_ids.shape[0]) if draft is not None else None
+    drafting = None
+    if draft is not None:
+        drafting = cost_aware_drafting(target, draft, setup.options, input_ids.shape[0], do_sample)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
@@ -271,15 +285,16 @@ def speculative_generate(
     while rows.index.numel() > 0:
         budget = max_new_tokens - rows.num_generated  # [B] tokens each row may still commit, >= 1
         num_drafts = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
-        if drafting is not None and not drafting.should_draft():
-            num_drafts = 0
         tick = clock()
-        draft_tokens, draft_logits = _draft(setup, rows, draft_cache, num_drafts, drafting)  # [B, S], [B, S, V]
+        draft_tokens, draft_logits = _draft(setup, rows, record, draft_cache, num_drafts, drafting)  # [B, S], [B, S, V]
         num_drafts = draft_tokens.shape[1]
+        looked_up = drafting is not None and bool(drafting.looked_up)
         tock = clock()
         outputs, verify_positions = _verify(setup, rows, draft_tokens, cache)
         num_accepted, next_token = _accept(setup, draft_tokens, draft_logits, outputs.logits)
-        record.round(num_accepted, num_drafts, tock - tick, clock() - tock)
+        record.round(num_accepted, num_drafts, tock - tick, clock() - tock, looked_up)
+        if drafting is not None:
+            drafting.accepted(num_drafts, num_accepted.tolist())
 
         # commit: accepted drafts plus the target's token, cut at EOS and at the length budget
         candidates = torch.cat([draft_tokens, next_token[:, None]], dim=-1)  # [B, S + 1]
@@ -383,21 +398,30 @@ def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, s
     return rows
 
 
-def _draft(setup: _Setup, rows: _Rows, draft_cache: DominoContextCache, num_drafts: int,
+def _draft(setup: _Setup, rows: _Rows, record: _Record, draft_cache: DominoContextCache, num_drafts: int,
            drafting: CostAwareDrafting | None):  # fmt: skip
     """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts), at
-    most `num_drafts` of them: fewer where the cost-aware draft length says more would not pay.
+    most `num_drafts` of them: fewer where the cost-aware draft length says more would not pay, and looked-up tokens
+    instead where those pay more (`CostAwareDrafting.look_up`).
 
     The features of the slots verified last round enter the draft cache first, so both caches stay aligned.
     """
     draft = setup.draft
     if draft is None:
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
-    if num_drafts == 0:  # a plain round (one token left, or drafting would not pay): keep the draft cache aligned
+    looked_up = None
+    if drafting is not None and num_drafts > 0:
+        looked_up = drafting.look_up([record.tokens(row) for row in rows.index.tolist()], num_drafts)
+        if looked_up is None and not drafting.should_draft():
+            num_drafts = 0
+    if num_drafts == 0 or looked_up is not None:  # no drafting this round: keep the draft cache aligned
         draft.extend_context(draft_cache, rows.features, rows.feature_positions, rows.feature_mask)
         rows.features = rows.feature_positions = rows.feature_mask = None
         if drafting is not None:
             drafting.skipped_round()
+        if looked_up is not None:
+            vocab_size = setup.target.get_output_embeddings().weight.shape[0]
+            return looked_up, certain_logits(looked_up, vocab_size) if setup.do_sample else None
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
     block = draft.draft_block(
         anchor_ids=rows.anchor,

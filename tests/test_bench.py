@@ -87,6 +87,7 @@ def test_bench_compares_with_plain_in_any_method_order_and_pools_the_engines_pos
     oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3]).double()
     prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, m, None)]) for m in messages]
     oracle.set_sequences([target.generate(ids, max_new_tokens=40, do_sample=False)[0].tolist() for ids in prompt_ids])
+    oracle.drafting_options = DraftingOptions(draft_length="full")  # every round drafts, whatever the machine's costs
 
     report = run_bench(target, tokenizer, {"domino": oracle.eval()}, prompts, ["domino", "plain", "plain-native"],
                        max_new_tokens=9)

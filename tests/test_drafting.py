@@ -6,8 +6,8 @@ from conftest import tiny_draft, tiny_target
 from speculative_helpers import draft_from_scratch
 
 from domino_spec import DraftCosts, DraftingOptions
-from domino_spec.drafting import CostAwareDrafting, choose_draft_length, measure_draft_costs
-from domino_spec.generation import speculative_generate
+from domino_spec.drafting import CostAwareDrafting, choose_draft_length, measure_draft_costs, prompt_lookup
+from domino_spec.generation import left_pad, speculative_generate
 
 # A CPU-like round: verifying costs more with every draft, a drafting round a fifth of a decode step.
 STEEP = DraftCosts(verify_seconds=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6), draft_seconds=0.2)
@@ -38,6 +38,15 @@ def test_a_draft_is_verified_whatever_the_confidences_after_it():
         changed = confidence.clone()
         changed[:, length + 1 :] = torch.rand(3, max(6 - length - 1, 0), generator=generator)
         assert choose_draft_length(changed, STEEP) == length
+
+
+def test_looking_ahead_finds_a_long_block_past_a_jump_in_the_verify_cost():
+    # This CPU's curve: one draft costs a little, two cost much more, more cost no more than two.
+    jump = DraftCosts(verify_seconds=(1.0, 1.18, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5), draft_seconds=0.0)
+    confidence = torch.full((1, 8), 0.6)  # 1.6 / 1.18 beats 1.96 / 1.5, but 2.48 / 1.5 beats both
+    assert choose_draft_length(confidence, jump) == 1  # the stopping rule sampling needs stops at the jump
+    assert choose_draft_length(confidence, jump, look_ahead=True) == 8
+    assert choose_draft_length(torch.full((1, 8), 0.05), jump, look_ahead=True) == 0  # nothing pays
 
 
 def test_a_noisy_dip_in_the_verify_curve_does_not_stop_drafting_early():
@@ -101,7 +110,8 @@ def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
     """After skipped rounds the draft catches up on the context it did not read: its blocks are a fresh draft's."""
     target = tiny_target("qwen3", dtype=torch.float64)
     draft = tiny_draft(target, block_size=6).to(torch.float64)
-    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=STEEP)  # a random draft: mostly skips
+    # A random draft: mostly skips (with no looked-up rounds, which would read the context the same way)
+    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=STEEP, prompt_lookup=0)
     rounds = []
 
     def recording_draft_block(**kwargs):
@@ -128,3 +138,59 @@ def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
             for anchor_position, block in rounds:
                 fresh = draft_from_scratch(draft, target, sequences[:, : anchor_position + 1])
                 assert torch.equal(block.tokens, fresh.tokens), (path, anchor_position)
+
+
+def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_repeated_ending():
+    sequence = torch.tensor([7, 1, 2, 9, 9, 1, 2, 5, 6, 3, 2, 1, 2])
+    tokens, size = prompt_lookup(sequence, max_ngram_size=3, max_tokens=4)
+    assert size == 2 and tokens.tolist() == [5, 6, 3, 2]  # "1 2" occurred twice: the later one; "2 1 2" never
+    tokens, size = prompt_lookup(sequence, max_ngram_size=1, max_tokens=2)
+    assert size == 1 and tokens.tolist() == [1, 2]  # "2" last occurred before "1 2"
+    tokens, size = prompt_lookup(torch.tensor([4, 5, 6]), max_ngram_size=3, max_tokens=4)
+    assert size == 0 and tokens.numel() == 0
+    tokens, size = prompt_lookup(torch.tensor([8, 8]), max_ngram_size=3, max_tokens=4)
+    assert size == 1 and tokens.tolist() == [8]  # the ending's own tokens are not a continuation
+
+
+def test_looked_up_tokens_are_verified_while_they_match_and_each_ngram_size_learns_alone():
+    drafting = CostAwareDrafting(STEEP, prompt_lookup=2)
+    repeat_of_two = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2])
+    looked_up = drafting.look_up([repeat_of_two], limit=4)
+    assert looked_up is not None and looked_up[0].tolist() == [3, 4, 5, 6][: looked_up.shape[1]]
+    for _ in range(20):  # its tokens never match: bigram lookups stop paying
+        looked_up = drafting.look_up([repeat_of_two], limit=4)
+        if looked_up is None:
+            break
+        drafting.accepted(looked_up.shape[1], [0])
+    assert looked_up is None
+    assert drafting.look_up([torch.tensor([1, 2, 3, 4, 9, 4])], limit=4) is not None  # unigram repeats still may
+    drafting.accepted(2, [2])
+    assert drafting.look_up([torch.tensor([1, 2, 3])], limit=4) is None  # nothing repeats
+    assert drafting.look_up([repeat_of_two, torch.tensor([1, 2, 3])], limit=4) is None  # every row needs a repeat
+    assert CostAwareDrafting(STEEP).look_up([repeat_of_two], limit=4) is None  # prompt lookup off
+
+
+def test_greedy_decoding_with_looked_up_rounds_is_lossless():
+    """Rows that loop (as random tiny targets do) are verified against their own earlier tokens; a left-padded batch
+    with rows stopping at EOS inside a block, through both paths, equals plain greedy decoding."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    # Verifying costs the same for any length: every repeat pays.
+    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=DraftCosts((1.0,) * 7, 0.5))
+    prompts = [torch.randint(0, 100, (1, 4 + seed), generator=torch.Generator().manual_seed(seed)) for seed in range(6)]
+    alone = [target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0) for prompt in prompts]
+    eos_token_id = int(alone[0][0, prompts[0].shape[1] + 20])  # some rows stop on it
+    alone = [target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
+             for prompt in prompts]  # fmt: skip
+    for prompt, expected in zip(prompts, alone):
+        hf = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos_token_id,
+                             assistant_model=draft)  # fmt: skip
+        assert torch.equal(hf, expected)
+    input_ids, attention_mask = left_pad(prompts, 127)
+    output = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=40,
+                                  eos_token_id=eos_token_id, pad_token_id=127)  # fmt: skip
+    assert output.looked_up_rounds > 0
+    for row, (prompt, expected) in enumerate(zip(prompts, alone)):
+        generated = expected[0, prompt.shape[1] :]
+        assert torch.equal(output.sequences[row, input_ids.shape[1] :][: generated.numel()], generated)
+    assert len(set(output.num_new_tokens)) > 1  # rows finished at different times

@@ -29,6 +29,7 @@ BENCH = {
             "speedup": 2.41,
             "speedup_over_eager": 3.02,
             "drafts_per_round": 4.5,
+            "looked_up_fraction": 0.25,
             "identical": 5,
             "prompts": 5,
         },
@@ -71,7 +72,7 @@ def test_card_has_metadata_usage_training_and_acceptance(tmp_path):
     # SGLang cannot serve our own format: the card points it at the exported folder.
     assert "--speculative-algorithm DFLASH" in text and "--speculative-draft-model-path OUT" in text
     assert "domino-spec export --format sglang DRAFT_DIR OUT" in text
-    assert "| gsm-symbolic | domino | 3.25 | 4.50 | 120.50 | 2.41x | 3.02x | 5/5 |" in text
+    assert "| gsm-symbolic | domino | 3.25 | 4.50 | 0.25 | 120.50 | 2.41x | 3.02x | 5/5 |" in text
     assert "at most 256 new tokens, the first 5 prompts of each set" in text
     assert "Methods: plain (the target alone), prompt-lookup, domino (the Domino draft in the native engine)." in text
     assert "| global_step | 100 |" in text and "| last logged loss | 1.5 |" in text

@@ -352,6 +352,45 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
     assert_distributed_as(samples, exact, "HF-path sampling with the cost-aware draft length")
 
 
+# Every live token occurs inside the prompt, so every round of every row finds a repeat to look up; with a verify pass
+# that costs the same for any length and a dear drafting round, every round verifies looked-up tokens.
+LOOKUP_PROMPT = torch.tensor([[3, 17, 42, 77, 101, 3, 60, 42]])
+LOOKUP_ROUNDS = DraftingOptions(draft_length="cost", draft_costs=DraftCosts((1.0,) * 4, 1.0))
+
+
+def test_native_sampling_of_looked_up_rounds_matches_target_distribution(models):
+    """Looked-up tokens were not drawn from a distribution: q is all on them, and exact rejection sampling accepts
+    each with the target's probability of it, sampling the residual where it does not."""
+    target, draft, _ = models
+    processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
+    exact = exact_joint_distribution(target, LOOKUP_PROMPT, NUM_TOKENS, processors, eos_token_id=EOS)
+    output = speculative_generate(target, draft, LOOKUP_PROMPT.expand(NUM_NATIVE_SAMPLES, -1),
+                                  max_new_tokens=NUM_TOKENS, do_sample=True, eos_token_id=EOS, pad_token_id=0,
+                                  temperature=0.7, top_k=3, top_p=0.9, generator=torch.Generator().manual_seed(7),
+                                  options=LOOKUP_ROUNDS)  # fmt: skip
+    assert output.looked_up_rounds >= 2  # every round with room for a draft
+    assert 0.05 < float(output.position_acceptance_rates[0]) < 0.95, output.position_acceptance_rates
+    assert_distributed_as(_outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0), exact,
+                          "native sampling of looked-up rounds")  # fmt: skip
+
+
+def test_hf_path_sampling_of_looked_up_rounds_matches_target_distribution(models):
+    target, draft, _ = models
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(4)])
+    exact = exact_joint_distribution(target, LOOKUP_PROMPT, NUM_TOKENS, processors, eos_token_id=EOS)
+    draft.drafting_options = LOOKUP_ROUNDS
+    samples = []
+    try:
+        for seed in range(NUM_HF_COST_AWARE_SAMPLES):
+            torch.manual_seed(seed)
+            sequences = target.generate(LOOKUP_PROMPT, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=0.8,
+                                        top_k=4, eos_token_id=EOS, pad_token_id=0, assistant_model=draft)
+            samples += _outcomes(sequences, LOOKUP_PROMPT.shape[1])
+    finally:
+        draft.drafting_options = FULL_BLOCKS
+    assert_distributed_as(samples, exact, "HF-path sampling of looked-up rounds")
+
+
 def test_native_sampling_with_a_draft_vocabulary_matches_target_distribution(models):
     """A draft vocabulary without two of the target's likely tokens (EOS among them): q is zero there, the target
     still produces them (from the rejection's residual), at its own rates."""

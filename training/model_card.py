@@ -286,9 +286,9 @@ def acceptance_section(bench: dict) -> str:
     """The rows of `bench_results.json` (`results`: eval_set, method, mean_acceptance_length, tokens_per_s, speedup,
     identical), with the machine and versions they were measured on."""
     lines = [
-        "| eval set | method | mean acceptance length | drafts verified per round | tokens/s | speedup | speedup over "
-        "eager generate | identical to plain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| eval set | method | mean acceptance length | drafts verified per round | rounds looked up | tokens/s | "
+        "speedup | speedup over eager generate | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in bench.get("results", []):
         identical = row.get("identical")
@@ -296,7 +296,8 @@ def acceptance_section(bench: dict) -> str:
             identical = f"{identical}/{row['prompts']}"
         lines.append(
             f"| {row.get('eval_set', '')} | {row.get('method', '')} | {_number(row.get('mean_acceptance_length'))} | "
-            f"{_number(row.get('drafts_per_round'))} | {_number(row.get('tokens_per_s'))} | "
+            f"{_number(row.get('drafts_per_round'))} | {_number(row.get('looked_up_fraction'))} | "
+            f"{_number(row.get('tokens_per_s'))} | "
             f"{_number(row.get('speedup'), 'x')} | {_number(row.get('speedup_over_eager'), 'x')} | {identical} |"
         )
     notes = [
