@@ -46,7 +46,7 @@ METHODS = {
     "dflash": "a backbone-only (DFlash) draft",
     "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
     "domino": "the Domino draft in the native engine",
-    "domino-alone": "the Domino draft in the native engine, every round drafted (no prompt lookup)",
+    "domino-alone": "the Domino draft in the native engine with prompt lookup off: every round drafted",
 }
 NATIVE_METHODS = ("plain-native", "dflash", "domino", "domino-alone")  # speculative_generate, against plain-native
 # the --dflash / --domino draft each uses
