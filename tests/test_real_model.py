@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from domino_spec import DominoDraftModel
+from domino_spec import DominoDraftModel, DraftingOptions
 from domino_spec.generation import left_pad, speculative_generate
 from domino_spec.generation.demo import SHIPPED_DRAFT
 
@@ -32,6 +32,10 @@ def smollm2():
     return target, tokenizer, draft, prompts
 
 
+# The draft's own acceptance: every round drafts and verifies the whole block (no cost-aware length, no prompt lookup).
+EVERY_DRAFT = DraftingOptions(draft_length="full")
+
+
 def test_shipped_draft_is_lossless_and_accepts_more_than_one_token(smollm2):
     target, tokenizer, draft, prompts = smollm2
     rounds = []
@@ -39,14 +43,15 @@ def test_shipped_draft_is_lossless_and_accepts_more_than_one_token(smollm2):
         input_ids = torch.tensor([prompt])
         expected = target.generate(input_ids, max_new_tokens=64, do_sample=False)
         speculative = target.generate(input_ids, max_new_tokens=64, do_sample=False, assistant_model=draft)
-        native = speculative_generate(target, draft, input_ids, max_new_tokens=64)
         assert torch.equal(speculative, expected)
-        assert torch.equal(native.sequences[:, : expected.shape[1]], expected)
+        for options in (None, EVERY_DRAFT):  # the defaults (on CPU: cost-aware, prompt lookup rounds), every draft
+            native = speculative_generate(target, draft, input_ids, max_new_tokens=64, options=options)
+            assert torch.equal(native.sequences[:, : expected.shape[1]], expected)
         rounds += native.acceptance_lengths[0]
     untrained = DominoDraftModel(draft.config).eval()  # same shape, random weights
     untrained_rounds = []
     for prompt in prompts:
-        output = speculative_generate(target, untrained, torch.tensor([prompt]), max_new_tokens=64)
+        output = speculative_generate(target, untrained, torch.tensor([prompt]), max_new_tokens=64, options=EVERY_DRAFT)
         untrained_rounds += output.acceptance_lengths[0]
     # A trained draft accepts more than an untrained one of its shape, which the target rejects almost always.
     assert sum(rounds) / len(rounds) > sum(untrained_rounds) / len(untrained_rounds) + 0.2
