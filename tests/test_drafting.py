@@ -59,6 +59,9 @@ def test_draft_costs_and_options_refuse_bad_values():
         DraftCosts(verify_seconds=(1.0, 0.0), draft_seconds=0.1)
     with pytest.raises(ValueError, match="draft_length='some' is invalid"):
         DraftingOptions(draft_length="some")
+    for lookup in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=f"prompt_lookup={lookup!r} is invalid"):
+            DraftingOptions(prompt_lookup=lookup)
 
 
 def test_measured_costs_cover_every_draft_count_and_are_measured_once():
