@@ -19,7 +19,7 @@ transformers.
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,25 +91,35 @@ class DraftingOptions:
         return self.draft_length == "cost" or (self.draft_length == "auto" and device.type == "cpu")
 
 
+def expected_rates(confidence: torch.Tensor, costs: DraftCosts) -> list[float]:
+    """The expected tokens per second of a round verifying k = 0..S of the drafts, for `confidence` `[B, S]` (every
+    row verifies the same number) and the round's costs (the verify cost taken non-decreasing in k, so one noisy
+    measurement cannot make a longer pass look cheaper)."""
+    num_drafts = min(confidence.shape[1], len(costs.verify_seconds) - 1)
+    confidence = confidence[:, :num_drafts].double().nan_to_num(0.0)  # NaN: a slot that had no finite logit
+    reach = confidence.cumprod(dim=1).sum(dim=0)  # [S]: rows reaching draft i
+    expected = confidence.shape[0] + torch.cat([reach.new_zeros(1), reach.cumsum(0)])  # [S + 1]: for k = 0..S drafts
+    seconds = costs.draft_seconds + torch.tensor(costs.verify_seconds[: num_drafts + 1]).cummax(0).values
+    return (expected / seconds).tolist()
+
+
 def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts, look_ahead: bool = False) -> int:
-    """How many of the drafts to verify: `confidence` `[B, S]` (every row verifies the same number) and the round's
-    costs (the verify cost taken non-decreasing in k, so one noisy measurement cannot stop it early).
+    """How many of the drafts to verify, by their `expected_rates`.
 
     Stops at the first draft that lowers the round's expected tokens per second: a stopping rule, which exact
     sampling needs (a draft's confidence depends on the drafts before it). With `look_ahead`, for greedy decoding and
     for tokens not drawn from the draft, the length with the most expected tokens per second over all lengths
     (a CPU's verify cost can jump at two drafts and stay flat after, where only a longer block pays).
     """
-    num_drafts = min(confidence.shape[1], len(costs.verify_seconds) - 1)
-    confidence = confidence[:, :num_drafts].double().nan_to_num(0.0)  # NaN: a slot that had no finite logit
-    reach = confidence.cumprod(dim=1).sum(dim=0)  # [S]: rows reaching draft i
-    expected = confidence.shape[0] + torch.cat([reach.new_zeros(1), reach.cumsum(0)])  # [S + 1]: for k = 0..S drafts
-    seconds = costs.draft_seconds + torch.tensor(costs.verify_seconds[: num_drafts + 1]).cummax(0).values
-    rates = (expected / seconds).tolist()
+    rates = expected_rates(confidence, costs)
     if look_ahead:
-        return max(range(num_drafts + 1), key=lambda k: (rates[k], -k))
-    falls = [k for k in range(num_drafts) if rates[k + 1] < rates[k]]
-    return falls[0] if falls else num_drafts
+        return _fastest(rates)
+    falls = [k for k in range(len(rates) - 1) if rates[k + 1] < rates[k]]
+    return falls[0] if falls else len(rates) - 1
+
+
+def _fastest(rates: list[float]) -> int:
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))  # the shortest of equally fast lengths
 
 
 def prompt_lookup(sequence: torch.Tensor, max_ngram_size: int, max_tokens: int) -> tuple[torch.Tensor, int]:
@@ -197,7 +207,7 @@ class CostAwareDrafting:
         """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
         recent = confidence.double().nan_to_num(0.0).mean(0).cpu()  # NaN: a slot that had no finite logit
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
-        self.pays = self._round_rate(self.expected, self.costs) > 1 / self.costs.verify_seconds[0]
+        self.pays = max(expected_rates(self.expected[None], self.costs)) > 1 / self.costs.verify_seconds[0]
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self.MAX_SKIPPED)
         return min(limit, choose_draft_length(confidence, self.costs, self.look_ahead))
 
@@ -205,20 +215,12 @@ class CostAwareDrafting:
         """How many of `num_tokens` looked-up tokens to verify: 0 where a drafting round (if it pays) or a plain step
         is expected to commit tokens faster."""
         rates = self.lookup_accepted[ngram_size - 1, :num_tokens] / self.lookup_reached[ngram_size - 1, :num_tokens]
-        free = DraftCosts(self.costs.verify_seconds, 0.0)
+        looked_up = expected_rates(rates[None], DraftCosts(self.costs.verify_seconds, 0.0))  # no drafting round
         best_other = 1 / self.costs.verify_seconds[0]
         if self.pays and self.expected is not None:
-            best_other = max(best_other, self._round_rate(self.expected, self.costs))
-        if self._round_rate(rates, free) <= best_other:
-            return 0
-        return choose_draft_length(rates[None], free, look_ahead=True)
-
-    @staticmethod
-    def _round_rate(confidence: torch.Tensor, costs: DraftCosts) -> float:
-        """Tokens per second of a round whose drafts are accepted with conditional probabilities `confidence` `[S]`."""
-        length = choose_draft_length(confidence[None], costs, look_ahead=True)
-        tokens = 1 + float(confidence[:length].cumprod(0).sum())
-        return tokens / (costs.draft_seconds + max(costs.verify_seconds[: length + 1]))
+            best_other = max(best_other, *expected_rates(self.expected[None], self.costs))
+        best = _fastest(looked_up)
+        return best if looked_up[best] > best_other else 0
 
 
 def cost_aware_drafting(target, draft, options: DraftingOptions, batch_size: int = 1,
@@ -250,10 +252,12 @@ def measure_draft_costs(
     """Time a verify pass over the anchor and k drafts for k = 0..S, and a drafting round under `options`, for
     `batch_size` rows after a random context of `context_length` tokens; the fastest of `repeats` runs each (on a
     shared machine the others carry its noise). Measured once per target, draft, options and batch size in a process
-    (a few forward passes; `forget_draft_costs` measures again)."""
+    (a few forward passes; `forget_draft_costs` measures again); options that only choose what to verify (the draft
+    length, its costs, prompt lookup) share one measurement."""
     options = options or draft.drafting_options
     known = _measured.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
-    key = (options, batch_size, str(target.device), target.dtype)
+    round_options = replace(options, draft_length="auto", draft_costs=None, prompt_lookup=0)  # what a round runs
+    key = (round_options, batch_size, str(target.device), target.dtype)
     if key in known:
         return known[key]
     device, num_drafts = target.device, draft.config.num_draft_tokens
@@ -333,5 +337,5 @@ def _synchronize(device: torch.device) -> None:
 
 
 __all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "CostAwareDrafting", "DraftCosts", "DraftingOptions",
-           "certain_logits", "choose_draft_length", "cost_aware_drafting", "forget_draft_costs", "measure_draft_costs",
-           "prompt_lookup"]  # fmt: skip
+           "certain_logits", "choose_draft_length", "cost_aware_drafting", "expected_rates", "forget_draft_costs",
+           "measure_draft_costs", "prompt_lookup"]  # fmt: skip

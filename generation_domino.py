@@ -95,7 +95,6 @@ class DominoCandidateGenerator(CandidateGenerator):
                 mask = StopStringDraftMask(self.stop_strings)
                 self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
         self.drafting = cost_aware_drafting(target, draft, self.options, do_sample=self.do_sample)
-        self.num_proposed = 0  # candidates of the last round
 
     def get_candidates(
         self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
@@ -151,7 +150,6 @@ class DominoCandidateGenerator(CandidateGenerator):
     def _candidates(self, input_ids, tokens, logits, num_candidates: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt with the first `num_candidates` of `tokens` `[1, S]` appended, cut at a stop, and their logits."""
         num_candidates = self._cut_at_stop(input_ids, tokens, num_candidates)
-        self.num_proposed = num_candidates
         if num_candidates == 0:
             # No candidates: return no logits either, transformers' speculative sampling cannot take an empty block.
             return input_ids, None
@@ -180,9 +178,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, placeholder], dim=-1), certain_logits(placeholder, vocab_size)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
-        """The draft length follows the draft's confidence; looked-up rounds learn how far their tokens match."""
+        """The draft length follows the draft's confidence; looked-up rounds learn how far their tokens match.
+        `scores` `[1, candidates + 1, V]` are the target's logits of the round."""
         if self.drafting is not None:
-            self.drafting.accepted(self.num_proposed, [int(num_matches)])
+            self.drafting.accepted(scores.shape[1] - 1, [int(num_matches)])
 
     def _cut_at_stop(self, input_ids: torch.Tensor, tokens: torch.Tensor, num_candidates: int) -> int:
         """Stop proposing after an EOS draft, and before a draft that would complete a stop string.

@@ -70,6 +70,8 @@ def test_measured_costs_cover_every_draft_count_and_are_measured_once():
     costs = measure_draft_costs(target, draft)
     assert len(costs.verify_seconds) == draft.config.num_draft_tokens + 1 and costs.draft_seconds > 0
     assert measure_draft_costs(target, draft) is costs
+    # what to verify does not change what a round costs: one measurement serves those options too
+    assert measure_draft_costs(target, draft, DraftingOptions(draft_length="full", prompt_lookup=0)) is costs
 
 
 def test_greedy_decoding_with_the_cost_aware_length_is_lossless_and_verifies_fewer_drafts():
