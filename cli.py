@@ -270,7 +270,7 @@ def train(argv: list[str]) -> None:
     feature_store = None
     if draft_args.features:
         feature_store = FeatureStore(draft_args.features)
-        feature_store.check(dataset, draft.config.target_layer_ids, target)
+        feature_store.check(dataset, draft.config.target_layer_ids, target, training_args.soft_targets)
     pad_id = pad_token_id(tokenizer)
     trainer = DominoTrainer(
         model=draft,
@@ -278,7 +278,7 @@ def train(argv: list[str]) -> None:
         args=training_args,
         train_dataset=dataset,
         eval_dataset=eval_dataset,
-        data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
+        data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store, training_args.soft_targets),
         data_summary=data_summary,
     )
     if finished:  # not `train`: resumed in the middle of an epoch, Trainer would train one step more
@@ -367,8 +367,9 @@ def cache_features(argv: list[str]) -> None:
     else:  # the config alone: no draft weights to build
         shape = fresh_draft_shape(draft_args, target)
         layer_ids = DominoDraftModel.config_for_target(target, tokenizer=tokenizer, **shape).target_layer_ids
-    store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir)
-    print(f"features of {len(store)} examples (target layers {layer_ids}) in {training_args.output_dir}")
+    store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir, training_args.soft_targets)
+    soft_targets = f", soft targets of {store.top_k} tokens" if store.top_k else ""
+    print(f"features of {len(store)} examples (target layers {layer_ids}{soft_targets}) in {training_args.output_dir}")
 
 
 # ---------------------------------------------------------------------- entry point

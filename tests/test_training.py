@@ -27,8 +27,10 @@ from domino_spec.training.loss import (
     IGNORE_INDEX,
     acceptance_length,
     block_labels,
+    block_soft_targets,
     curriculum_lambda,
     domino_loss,
+    soft_cross_entropy,
 )
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
 
@@ -91,6 +93,40 @@ def test_cross_entropy_weights_slots_by_exp_minus_k_over_gamma_normalised_per_se
         per_sequence.append(weighted_sum / weight_sum)
     loss, _ = domino_loss(logits, logits, labels, lam=1.0, gamma=gamma)
     assert loss.item() == pytest.approx(sum(per_sequence) / 2, rel=1e-5)
+
+
+def test_soft_cross_entropy_renormalises_over_the_draft_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7)
+    labels = torch.randint(0, 7, (2, 3))
+    # All of the target's mass on the label: the hard cross-entropy.
+    certain_ids = torch.stack([labels, (labels + 1) % 7], dim=-1)
+    certain = soft_cross_entropy(logits, certain_ids, torch.tensor([1.0, 0.0]).expand(2, 3, 2))
+    torch.testing.assert_close(certain, torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none"))
+    # A token outside the draft vocabulary (IGNORE_INDEX) drops out; the rest is renormalised.
+    ids = torch.tensor([[[2, IGNORE_INDEX, 5]]])
+    log_probs = logits[:1, :1].log_softmax(-1)
+    expected = -(0.6 * log_probs[0, 0, 2] + 0.4 * log_probs[0, 0, 5])
+    torch.testing.assert_close(soft_cross_entropy(logits[:1, :1], ids, torch.tensor([[[0.3, 0.5, 0.2]]]))[0, 0], expected)
+    nothing = torch.full((1, 1, 2), IGNORE_INDEX)
+    assert soft_cross_entropy(logits[:1, :1], nothing, torch.tensor([[[0.7, 0.3]]])).item() == 0.0
+
+
+def test_block_soft_targets_score_the_token_each_slot_predicts():
+    """Slot s predicts the token at anchor + s + 1: its soft target is the target's distribution at anchor + s."""
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    anchors = torch.tensor([[2, 4]])
+    next_tokens = torch.cat([input_ids[:, 1:], torch.tensor([[0]])], dim=1)  # a target sure of every next token
+    top_ids = torch.stack([next_tokens, next_tokens + 100], dim=-1)  # [1, 6, 2]
+    top_probs = torch.tensor([0.9, 0.1]).expand(1, 6, 2)
+    ids, probs = block_soft_targets(top_ids, top_probs, anchors, num_slots=3)
+    assert ids.shape == probs.shape == (1, 2, 3, 2)
+    labels = block_labels(input_ids, loss_mask, anchors, num_slots=3)
+    labelled = labels != IGNORE_INDEX
+    assert torch.equal(ids[..., 0][labelled], labels[labelled])
+    assert torch.equal(ids[..., 1][labelled], labels[labelled] + 100)
+    assert torch.equal(probs[..., 0], torch.full((1, 2, 3), 0.9))
 
 
 def test_anchors_lie_inside_the_response():
@@ -562,6 +598,8 @@ def test_resuming_picks_the_highest_complete_checkpoint(tmp_path, capsys):
 def test_training_arguments_the_domino_loss_cannot_honour_are_refused():
     with pytest.raises(ValueError, match="no label smoothing"):
         parse_train_arguments(["--target", "t", "--data", "d", "--label_smoothing_factor", "0.1"])
+    with pytest.raises(ValueError, match="--soft_targets -1: a number of tokens, or 0"):
+        parse_train_arguments(["--target", "t", "--data", "d", "--soft_targets", "-1"])
 
 
 def test_train_arguments_from_yaml_refuse_unknown_keys_and_take_the_output_alias_and_layer_lists(tmp_path):
@@ -1031,9 +1069,37 @@ def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_
         assert abs(online[name] - scores[name]) < 1e-3, (name, online[name], scores[name])
 
 
+def test_train_on_soft_targets_from_the_command_line(tmp_path, tiny_target_dir, capsys):
+    """`cache-features --soft_targets K` then `train --soft_targets K`: trained on the stored soft targets, held-out
+    data scored on ones computed online, as a trainer without a store scores it."""
+    from domino_spec.cli import main
+
+    records = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
+               for i in range(8)]  # fmt: skip
+    _write_jsonl(tmp_path / "data.jsonl", records[:4])
+    _write_jsonl(tmp_path / "held_out.jsonl", records[4:])
+    flags = ["--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--draft_layers", "1"]
+    flags += ["--block_size", "4", "--num_anchors", "4", "--report_to", "none", "--disable_tqdm", "true"]
+    main(["cache-features", *flags, "--output", str(tmp_path / "features"), "--soft_targets", "6"])
+    assert "soft targets of 6 tokens" in capsys.readouterr().out
+    flags += ["--features", str(tmp_path / "features"), "--eval_data", str(tmp_path / "held_out.jsonl")]
+    with pytest.raises(ValueError, match="holds soft targets of 6 tokens, training asks for 8"):
+        main(["train", *flags, "--output", str(tmp_path / "refused"), "--soft_targets", "8"])
+    main(["train", *flags, "--output", str(tmp_path / "draft"), "--max_steps", "2", "--soft_targets", "4"])
+    out = capsys.readouterr().out
+    scores = json.loads(out[out.rindex('{\n  "eval"') :])["eval"]
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    draft = DominoDraftModel.from_pretrained(tmp_path / "draft")
+    held_out = load_training_dataset(str(tmp_path / "held_out.jsonl")).remove_columns("index")
+    for soft_targets, expected_equal in ((4, True), (0, False)):
+        online = _trainer(tmp_path, target, draft, held_out, num_anchors=4, soft_targets=soft_targets).evaluate(held_out)
+        assert (abs(online["eval_loss"] - scores["eval_loss"]) < 1e-3) == expected_equal, (soft_targets, online, scores)
+
+
 def test_hooked_features_equal_output_hidden_states(family):
-    """What training taps is what inference reads, the last layer included (transformers normalizes that one)."""
-    from domino_spec.training.features import target_hidden_states
+    """What training taps is what inference reads, the last layer included (transformers normalizes that one); soft
+    targets are the target's own next-token distribution, cut to its likeliest tokens."""
+    from domino_spec.training.features import target_features
 
     target = tiny_target(family)
     input_ids = torch.randint(0, 100, (2, 11))
@@ -1041,7 +1107,16 @@ def test_hooked_features_equal_output_hidden_states(family):
     for layer_ids in ([0, 2, 3], [1, target.config.num_hidden_layers - 1]):
         draft = tiny_draft(target, target_layer_ids=layer_ids)
         expected = _features(target, draft, input_ids)
-        torch.testing.assert_close(target_hidden_states(target, input_ids, attention_mask, layer_ids), expected)
+        hard = target_features(target, input_ids, attention_mask, layer_ids)
+        torch.testing.assert_close(hard.hidden, expected)
+        assert hard.top_ids is None and hard.top_probs is None
+        soft = target_features(target, input_ids, attention_mask, layer_ids, top_k=5)
+        torch.testing.assert_close(soft.hidden, expected)
+        probs = target(input_ids).logits.float().softmax(-1)
+        assert soft.top_ids.shape == soft.top_probs.shape == (2, 11, 5)
+        torch.testing.assert_close(soft.top_probs, probs.gather(-1, soft.top_ids))
+        assert torch.equal(soft.top_ids[..., 0], probs.argmax(-1))
+        assert (soft.top_probs[..., 4] >= probs.sort(-1, descending=True).values[..., 5]).all()
 
 
 def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
@@ -1083,6 +1158,43 @@ def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
         loss_online = trainer.compute_loss(draft, online)
         loss_stored = trainer.compute_loss(draft, stored)
     torch.testing.assert_close(loss_stored, loss_online, rtol=2e-3, atol=2e-3)  # features stored in fp16
+
+
+def test_soft_targets_from_a_feature_store_train_like_online_ones(tmp_path):
+    """Soft targets cached with the features give the loss the target computes online; a store without them, or
+    with fewer tokens, is refused with the flag that fixes it, and a store of more gives the likeliest."""
+    from domino_spec.training.features import FeatureStore
+
+    records = [{"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))} for i in range(4)]
+    _write_jsonl(tmp_path / "d.jsonl", records)
+    dataset = load_training_dataset(str(tmp_path / "d.jsonl"))
+    target = tiny_target("llama")
+    draft = tiny_draft(target, draft_vocab=torch.arange(0, 128, 2)).float()  # soft targets outside it drop out
+    layer_ids = draft.config.target_layer_ids
+    hard_store = FeatureStore.build(target, dataset, layer_ids, str(tmp_path / "hard"))
+    with pytest.raises(ValueError, match=r"soft targets of 0 tokens, training asks for 4: .*--soft_targets 0 .*"
+                                         r"`domino-spec cache-features --soft_targets 4`"):  # fmt: skip
+        hard_store.check(dataset, layer_ids, target, top_k=4)
+    with pytest.raises(ValueError, match="soft targets of 0 tokens, not 8: building this one there would discard"):
+        FeatureStore.build(target, dataset, layer_ids, str(tmp_path / "hard"), top_k=8)
+    store = FeatureStore.build(target, dataset, layer_ids, str(tmp_path / "soft"), top_k=8)
+    store.check(dataset, layer_ids, target, top_k=4)
+
+    examples = [dataset[i] for i in range(len(dataset))]
+    torch.manual_seed(0)
+    online = DominoDataCollator(pad_token_id=0, num_anchors=4)(examples)
+    torch.manual_seed(0)
+    stored = DominoDataCollator(pad_token_id=0, num_anchors=4, feature_store=store, soft_targets=4)(examples)
+    assert stored["target_top_ids"].shape == (4, 15, 4)
+    hard = _trainer(tmp_path, target, draft, examples, num_anchors=4)
+    soft = _trainer(tmp_path, target, draft, examples, num_anchors=4, soft_targets=4)
+    draft.eval()
+    with torch.no_grad():
+        loss_online = soft.compute_loss(draft, online)
+        loss_stored = soft.compute_loss(draft, stored)
+        loss_hard = hard.compute_loss(draft, online)
+    torch.testing.assert_close(loss_stored, loss_online, rtol=2e-3, atol=2e-3)  # probabilities stored in fp16
+    assert abs(loss_online.item() - loss_hard.item()) > 1e-3  # a random target is far from sure of its tokens
 
 
 def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(tmp_path):

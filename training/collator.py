@@ -49,13 +49,15 @@ class DominoDataCollator:
     """Pads `input_ids`/`loss_mask` examples on the right and samples `num_anchors` anchors per sequence.
 
     With a `feature_store`, each example's precomputed target features (looked up by its `index`) come along as
-    `target_hidden`, so the trainer skips the target pass. Examples without an `index` (held-out data, which the
+    `target_hidden`, and with `soft_targets` its stored soft targets of that many tokens as `target_top_ids` and
+    `target_top_probs`, so the trainer skips the target pass. Examples without an `index` (held-out data, which the
     store does not hold) come without: the trainer computes theirs.
     """
 
     pad_token_id: int
     num_anchors: int = 256
     feature_store: FeatureStore | None = None
+    soft_targets: int = 0
     anchor_seed: int | None = None  # None: anchors from torch's global generator; else fixed by the seed and batch
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -82,6 +84,13 @@ class DominoDataCollator:
                     raise ValueError(f"example {example['index']} has {len(example['input_ids'])} tokens, its stored features {stored.shape[0]}")
                 features[row, : stored.shape[0]] = stored.float()
             batch["target_hidden"] = features
+            if self.soft_targets:
+                batch["target_top_ids"] = torch.zeros(len(examples), length, self.soft_targets, dtype=torch.long)
+                batch["target_top_probs"] = torch.zeros(len(examples), length, self.soft_targets)
+                for row, example in enumerate(examples):
+                    ids, probs = self.feature_store.soft_targets(example["index"], self.soft_targets)
+                    batch["target_top_ids"][row, : ids.shape[0]] = ids
+                    batch["target_top_probs"][row, : probs.shape[0]] = probs.float()
         return batch
 
     def _anchor_generator(self, input_ids: torch.Tensor) -> torch.Generator | None:

@@ -2,13 +2,16 @@
 and every draft trained on the same data (the target pass is most of a step's cost for small drafts on CPU).
 
 Only the tapped layers are kept, and the target stops after the last of them: its later layers and its LM head
-never run.
+never run, unless the draft trains on soft targets (the target's K likeliest next tokens and their probabilities
+at every position).
 """
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,19 +25,28 @@ class _StopAfterLastTappedLayer(Exception):
     pass
 
 
-@torch.no_grad()
-def target_hidden_states(
-    target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
-) -> torch.Tensor:
-    """Concatenated outputs of target layers `layer_ids`: `[B, T, len(layer_ids) * D]`.
+@dataclass
+class TargetFeatures:
+    """What a training step reads from the target for a batch."""
 
-    Forward hooks on the tapped decoder layers capture their outputs; the last one ends the forward early. The same
-    features as inference reads from `output_hidden_states` (`DominoDraftModel.fuse_target_hidden_states`).
+    hidden: torch.Tensor  # [B, T, len(layer_ids) * D]: the tapped layers' outputs, concatenated
+    top_ids: torch.Tensor | None = None  # [B, T, K]: the K likeliest tokens after each position (soft targets)
+    top_probs: torch.Tensor | None = None  # [B, T, K]: their probabilities under the target, in decreasing order
+
+
+@torch.no_grad()
+def target_features(
+    target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int], top_k: int = 0
+) -> TargetFeatures:
+    """The outputs of target layers `layer_ids`, and with `top_k` the target's `top_k` likeliest next tokens.
+
+    Forward hooks on the tapped decoder layers capture their outputs; without `top_k` the last one ends the forward
+    early. The same features as inference reads from `output_hidden_states` (`DominoDraftModel.fuse_target_hidden_states`).
     """
     decoder = target.get_decoder()
     layers = decoder.layers
     captured: dict[int, torch.Tensor] = {}
-    last = max(layer_ids)
+    last = max(layer_ids) if not top_k else None
 
     def capture(index):
         def hook(module, args, output):
@@ -45,17 +57,21 @@ def target_hidden_states(
         return hook
 
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
+    model = target if top_k else decoder  # the whole model for logits as generation computes them (soft-capping)
     try:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     except _StopAfterLastTappedLayer:
-        pass
+        outputs = None
     finally:
         for handle in handles:
             handle.remove()
     final = len(layers) - 1
     if final in captured:  # transformers returns the final layer's hidden state after the decoder's final norm
         captured[final] = decoder.norm(captured[final])
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+    features = TargetFeatures(torch.cat([captured[i] for i in layer_ids], dim=-1))
+    if top_k:
+        features.top_probs, features.top_ids = outputs.logits.float().softmax(-1).topk(top_k, dim=-1)  # [B, T, K]
+    return features
 
 
 def dataset_fingerprint(dataset) -> str:
@@ -77,7 +93,9 @@ def target_signature(target) -> str:
 
 
 class FeatureStore:
-    """fp16 target features of a training set: `features.bin` (all examples back to back) and `index.json`."""
+    """fp16 target features of a training set: `features.bin` (all examples back to back) and `index.json`; a store
+    with soft targets (`top_k` > 0) adds the target's likeliest next tokens, `top_ids.bin` (int32) and `top_probs.bin`
+    (fp16)."""
 
     def __init__(self, directory: str):
         index_path = os.path.join(directory, "index.json")
@@ -91,8 +109,12 @@ class FeatureStore:
         self.layer_ids = self.index["layer_ids"]
         self.width = self.index["width"]
         self.offsets = self.index["offsets"]
+        self.top_k = self.index.get("top_k", 0)
         total = self.offsets[-1]
         self.features = np.memmap(os.path.join(directory, "features.bin"), dtype=np.float16, mode="r", shape=(total, self.width))
+        if self.top_k:
+            self.top_ids = np.memmap(os.path.join(directory, "top_ids.bin"), dtype=np.int32, mode="r", shape=(total, self.top_k))
+            self.top_probs = np.memmap(os.path.join(directory, "top_probs.bin"), dtype=np.float16, mode="r", shape=(total, self.top_k))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -100,8 +122,16 @@ class FeatureStore:
     def __getitem__(self, example: int) -> torch.Tensor:
         return torch.from_numpy(np.array(self.features[self.offsets[example] : self.offsets[example + 1]]))
 
-    def check(self, dataset, layer_ids: list[int], target) -> None:
-        """Raise `ValueError` unless this store was built by `target` from `dataset` with these tapped layers.
+    def soft_targets(self, example: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's `top_k` likeliest tokens after each position of `example` and their probabilities, `[T, top_k]`
+        each (a store of more keeps the likeliest)."""
+        rows = slice(self.offsets[example], self.offsets[example + 1])
+        ids = torch.from_numpy(np.array(self.top_ids[rows, :top_k])).long()
+        return ids, torch.from_numpy(np.array(self.top_probs[rows, :top_k]))
+
+    def check(self, dataset, layer_ids: list[int], target, top_k: int = 0) -> None:
+        """Raise `ValueError` unless this store was built by `target` from `dataset` with these tapped layers, and
+        holds soft targets of at least `top_k` tokens.
 
         A rebuild goes into another folder: `build` refuses to overwrite a store that runs may have trained on.
         """
@@ -127,35 +157,53 @@ class FeatureStore:
                 "train the --target it was built by, or rebuild it for this --target with "
                 "`domino-spec cache-features`, into another --output"
             )
+        if top_k > self.top_k:
+            raise ValueError(
+                f"the feature store in {self.directory} holds soft targets of {self.top_k} tokens, training asks for "
+                f"{top_k}: pass train --soft_targets {self.top_k} or less, or rebuild the store with "
+                f"`domino-spec cache-features --soft_targets {top_k}`, into another --output"
+            )
 
     @staticmethod
-    def build(target, dataset, layer_ids: list[int], directory: str) -> "FeatureStore":
-        """Compute and write the features of every example; resumes an interrupted build where it stopped."""
+    def build(target, dataset, layer_ids: list[int], directory: str, top_k: int = 0) -> "FeatureStore":
+        """Compute and write the features of every example (with `top_k`, soft targets of that many tokens too);
+        resumes an interrupted build where it stopped."""
         os.makedirs(directory, exist_ok=True)
         index_path = os.path.join(directory, "index.json")
         identity = {"layer_ids": list(layer_ids), "fingerprint": dataset_fingerprint(dataset)}
         identity["target"] = target_signature(target)
+        identity.update({"top_k": top_k} if top_k else {})
         index = _resumable_index(index_path, identity, directory)
-        data_path = os.path.join(directory, "features.bin")
         done = len(index["offsets"]) - 1
-        with open(data_path, "ab") as data:
-            data.truncate(index["offsets"][-1] * 2 * index.get("width", 0) if done else 0)
+        stored = index["offsets"][-1]
+        files = {"features.bin": stored * 2 * index.get("width", 0)}  # the bytes the index counts, per file
+        files.update({"top_ids.bin": stored * 4 * top_k, "top_probs.bin": stored * 2 * top_k} if top_k else {})
+        with contextlib.ExitStack() as stack:
+            outputs = {name: stack.enter_context(open(os.path.join(directory, name), "ab")) for name in files}
+            for name, size in files.items():
+                outputs[name].truncate(size if done else 0)
             for example in tqdm(range(done, len(dataset)), initial=done, total=len(dataset), desc="target features"):
                 input_ids = torch.tensor([dataset[example]["input_ids"]], device=target.device)
-                features = target_hidden_states(target, input_ids, None, layer_ids)[0].to(torch.float16).cpu()
+                computed = target_features(target, input_ids, None, layer_ids, top_k)
+                features = computed.hidden[0].to(torch.float16).cpu()
                 if not torch.isfinite(features).all():
                     raise ValueError(
                         f"example {example}: target features beyond fp16's range (|h| > 65504) at layers {layer_ids}; "
                         "train with online features (no --features), or tap other layers"
                     )
                 index["width"] = features.shape[-1]
-                data.write(features.numpy().tobytes())
+                outputs["features.bin"].write(features.numpy().tobytes())
+                if top_k:
+                    outputs["top_ids.bin"].write(computed.top_ids[0].to(torch.int32).cpu().numpy().tobytes())
+                    outputs["top_probs.bin"].write(computed.top_probs[0].to(torch.float16).cpu().numpy().tobytes())
                 index["offsets"].append(index["offsets"][-1] + features.shape[0])
                 if example % 50 == 0 or example == len(dataset) - 1:
-                    _sync(data)  # on disk before the index that counts it
+                    for output in outputs.values():
+                        _sync(output)  # on disk before the index that counts it
                     _write_json(index_path, index)
             index["complete"] = True
-            _sync(data)
+            for output in outputs.values():
+                _sync(output)
         _write_json(index_path, index)
         return FeatureStore(directory)
 
@@ -173,6 +221,8 @@ def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:
         differences.append(f"target layers {previous.get('layer_ids')}, not {identity['layer_ids']}")
     if previous.get("fingerprint") != identity["fingerprint"]:
         differences.append("other training data")
+    if previous.get("top_k", 0) != identity.get("top_k", 0):
+        differences.append(f"soft targets of {previous.get('top_k', 0)} tokens, not {identity.get('top_k', 0)}")
     if "target" not in previous and not previous.get("complete"):  # older stores record none: finished, `check` warns
         differences.append("an unrecorded target (it predates target signatures)")
     elif previous.get("target", identity["target"]) != identity["target"]:

@@ -41,6 +41,7 @@ SUMMARY_ARGUMENTS = (
     "decay_ratio",
     "loss_gamma",
     "training_time_test",
+    "soft_targets",
 )
 LOGGED_METRICS = ("loss", "loss_base", "loss_final", "lam", "acceptance_base", "acceptance_final")
 # What a folder upload holds, by allowlist: the weights, the JSON at the root (config.json, generation_config.json,

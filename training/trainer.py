@@ -13,8 +13,8 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
 from .collator import DominoDataCollator, sample_anchors, seeded_generator
-from .features import target_hidden_states
-from .loss import IGNORE_INDEX, block_labels, curriculum_lambda, domino_loss
+from .features import TargetFeatures, target_features
+from .loss import IGNORE_INDEX, block_labels, block_soft_targets, curriculum_lambda, domino_loss
 from .model_card import training_summary, write_model_card
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,14 @@ class DominoTrainingArguments(TrainingArguments):
         },
     )
     loss_gamma: float = field(default=7.0, metadata={"help": "Position weights exp(-k / gamma)."})
+    soft_targets: int = field(
+        default=0,
+        metadata={
+            "help": "Train on the target's distribution instead of its tokens: the probabilities of its K likeliest "
+            "next tokens, renormalised over the draft vocabulary (0: its tokens). With --features, the store must "
+            "hold them: `domino-spec cache-features --soft_targets K`."
+        },
+    )
     training_time_test: bool = field(
         default=False, metadata={"help": "The GRU reads the draft's own predictions instead of the ground truth."}
     )
@@ -58,6 +66,8 @@ class DominoTrainingArguments(TrainingArguments):
         super().__post_init__()
         if self.label_smoothing_factor:
             raise ValueError("label_smoothing_factor: the Domino loss has no label smoothing; leave it at 0.")
+        if self.soft_targets < 0:
+            raise ValueError(f"--soft_targets {self.soft_targets}: a number of tokens, or 0 for the target's tokens.")
 
 
 class StopOnSignal(TrainerCallback):
@@ -235,18 +245,21 @@ class DominoTrainer(Trainer):
             self.state.global_step, self.state.max_steps, self.args.lambda_start, self.args.decay_ratio
         )
 
-    def target_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The target's tapped hidden states `[B, T, n_layers * D]`; it stops after the last tapped layer."""
+    def target_features(self, inputs: dict[str, torch.Tensor]) -> TargetFeatures:
+        """The batch's target features: from the feature store when the collator brought them, else computed (the
+        target stops after the last tapped layer unless soft targets need its logits)."""
+        if "target_hidden" in inputs:
+            return TargetFeatures(inputs["target_hidden"], inputs.get("target_top_ids"), inputs.get("target_top_probs"))
         layer_ids = self.accelerator.unwrap_model(self.model).config.target_layer_ids
-        return target_hidden_states(self.target, input_ids, attention_mask, layer_ids)
+        return target_features(
+            self.target, inputs["input_ids"], inputs["attention_mask"], layer_ids, self.args.soft_targets
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        target_hidden = inputs.get("target_hidden")  # present when features come from a FeatureStore
-        if target_hidden is None:
-            target_hidden = self.target_features(inputs["input_ids"], inputs["attention_mask"])
+        features = self.target_features(inputs)
         outputs = model(
             input_ids=inputs["input_ids"],
-            target_hidden=target_hidden,
+            target_hidden=features.hidden,
             anchor_positions=inputs["anchor_positions"],
             embed_tokens=self.target.get_input_embeddings(),
             lm_head=self.target.get_output_embeddings(),
@@ -257,9 +270,16 @@ class DominoTrainer(Trainer):
             inputs["input_ids"], inputs["loss_mask"], inputs["anchor_positions"], outputs.logits.shape[2]
         )
         # The draft's logits cover its draft vocabulary: labels as its indices, tokens it cannot propose ignored.
-        labels = self.accelerator.unwrap_model(model).to_draft_vocab(labels, IGNORE_INDEX)
+        to_draft_vocab = self.accelerator.unwrap_model(model).to_draft_vocab
+        labels = to_draft_vocab(labels, IGNORE_INDEX)
+        soft_targets = None
+        if self.args.soft_targets:
+            top_ids, top_probs = block_soft_targets(
+                features.top_ids, features.top_probs, inputs["anchor_positions"], outputs.logits.shape[2]
+            )
+            soft_targets = (to_draft_vocab(top_ids, IGNORE_INDEX), top_probs)
         loss, metrics = domino_loss(
-            outputs.logits, outputs.base_logits, labels, self.current_lambda(), self.args.loss_gamma
+            outputs.logits, outputs.base_logits, labels, self.current_lambda(), self.args.loss_gamma, soft_targets
         )
         (self._train_metrics if model.training else self._eval_metrics).add(metrics)
         return (loss, outputs) if return_outputs else loss
