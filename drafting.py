@@ -143,9 +143,9 @@ def certain_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class CostAwareDrafting:
-    """The cost-aware draft length of one decoding run: before a round, whether the tokens that followed a repeat of
-    the context are worth verifying instead of drafting (`look_up`), and whether to draft at all (`should_draft`);
-    after drafting, how many of the drafts to verify (`length`).
+    """The cost-aware draft length of one decoding run: before a round, whether to draft it, verify the tokens that
+    followed a repeat of the context instead, or decode plainly (`plan`); after drafting, how many of the drafts to
+    verify (`length`); after verifying, how far looked-up tokens were accepted (`accepted`).
 
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
     with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
@@ -170,17 +170,18 @@ class CostAwareDrafting:
         self.lookup_reached = torch.full((prompt_lookup, num_drafts), 2.0, dtype=torch.float64)
         self.looked_up: list[int] = []  # the n-gram size of each row of the last looked-up round, empty after drafting
 
-    def should_draft(self) -> bool:
-        """Before a round: draft it, or decode plainly (then call `skipped_round`)."""
-        return self.pays or self.skipped >= self.wait
-
-    def skipped_round(self) -> None:
+    def plan(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
+        """Before a round, given each row's committed tokens: None to draft it; else the tokens `[B, k]` to verify
+        instead, k <= `limit`: those that followed an earlier occurrence of each row's last tokens
+        (`prompt_lookup`) where verifying them is expected to commit tokens faster than drafting or a plain step,
+        or none (k = 0) for a plain step."""
+        looked_up = self._look_up(sequences, limit)
+        if looked_up is None and (self.pays or self.skipped >= self.wait):
+            return None
         self.skipped += 1
+        return looked_up if looked_up is not None else sequences[0].new_zeros(len(sequences), 0)
 
-    def look_up(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
-        """Before a round, given each row's committed tokens: the tokens `[B, k]` (k <= `limit`) that followed an
-        earlier occurrence of each row's last tokens (`prompt_lookup`), where verifying them is expected to commit
-        tokens faster than drafting or a plain step; None to draft (or not) as usual."""
+    def _look_up(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
         self.looked_up = []
         if self.max_ngram_size == 0 or limit == 0:
             return None

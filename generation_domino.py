@@ -120,15 +120,13 @@ class DominoCandidateGenerator(CandidateGenerator):
         else:
             positions = torch.arange(input_ids.shape[1], device=device)[None]
             context_mask = None
-        looked_up = self.drafting.look_up([input_ids[0]], num_candidates) if self.drafting is not None else None
-        if self.drafting is not None and (looked_up is not None or not self.drafting.should_draft()):
-            # a looked-up or a plain round: the draft only reads the context
+        planned = self.drafting.plan([input_ids[0]], num_candidates) if self.drafting is not None else None
+        if planned is not None:  # a looked-up or a plain round: the draft only reads the context
             self.draft.extend_context(self.cache, target_hidden.to(device), positions[:, cached:-1], context_mask)
-            self.drafting.skipped_round()
-            if looked_up is None:
+            if planned.shape[1] == 0:
                 return input_ids, None
-            return self._candidates(input_ids, looked_up, certain_logits(looked_up, self.lm_head.weight.shape[0]),
-                                    looked_up.shape[1])  # fmt: skip
+            return self._candidates(input_ids, planned, certain_logits(planned, self.lm_head.weight.shape[0]),
+                                    planned.shape[1])  # fmt: skip
         draft = self.draft.draft_block(
             anchor_ids=input_ids[:, -1].to(device),
             anchor_position_ids=positions[:, -1],

@@ -402,26 +402,22 @@ def _draft(setup: _Setup, rows: _Rows, record: _Record, draft_cache: DominoConte
            drafting: CostAwareDrafting | None):  # fmt: skip
     """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts), at
     most `num_drafts` of them: fewer where the cost-aware draft length says more would not pay, and looked-up tokens
-    instead where those pay more (`CostAwareDrafting.look_up`).
+    instead where those pay more (`CostAwareDrafting.plan`).
 
     The features of the slots verified last round enter the draft cache first, so both caches stay aligned.
     """
     draft = setup.draft
     if draft is None:
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
-    looked_up = None
+    planned = None  # the tokens to verify instead of drafts (`CostAwareDrafting.plan`)
     if drafting is not None and num_drafts > 0:
-        looked_up = drafting.look_up([record.tokens(row) for row in rows.index.tolist()], num_drafts)
-        if looked_up is None and not drafting.should_draft():
-            num_drafts = 0
-    if num_drafts == 0 or looked_up is not None:  # no drafting this round: keep the draft cache aligned
+        planned = drafting.plan([record.tokens(row) for row in rows.index.tolist()], num_drafts)
+    if num_drafts == 0 or planned is not None:  # no drafting this round: keep the draft cache aligned
         draft.extend_context(draft_cache, rows.features, rows.feature_positions, rows.feature_mask)
         rows.features = rows.feature_positions = rows.feature_mask = None
-        if drafting is not None:
-            drafting.skipped_round()
-        if looked_up is not None:
+        if planned is not None and planned.shape[1] > 0:
             vocab_size = setup.target.get_output_embeddings().weight.shape[0]
-            return looked_up, certain_logits(looked_up, vocab_size) if setup.do_sample else None
+            return planned, certain_logits(planned, vocab_size) if setup.do_sample else None
         return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
     block = draft.draft_block(
         anchor_ids=rows.anchor,

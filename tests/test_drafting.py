@@ -96,19 +96,20 @@ def test_greedy_decoding_with_the_cost_aware_length_is_lossless_and_verifies_few
 def test_rounds_skip_drafting_while_recent_ones_do_not_pay_and_look_again_ever_later():
     drafting = CostAwareDrafting(STEEP)
     unsure, sure = torch.full((1, 4), 0.05), torch.full((1, 4), 0.9)
+    committed = [torch.tensor([1, 2, 3])]
     decisions = []
     for _ in range(16):
-        if drafting.should_draft():
+        planned = drafting.plan(committed, limit=4)
+        if planned is None:
             decisions.append("D")
             assert drafting.length(unsure, limit=4) == 0
         else:
             decisions.append(".")
-            drafting.skipped_round()
+            assert planned.shape == (1, 0)  # a plain step
     assert "".join(decisions) == "D..D....D" + "." * 7  # the first round drafts; then after 2, 4, 8 skipped rounds
-    assert not drafting.should_draft()
     drafting.skipped = drafting.wait  # its next look: a sure round brings drafting back every round
-    assert drafting.should_draft() and drafting.length(sure, limit=3) == 3
-    assert all(drafting.should_draft() for _ in range(3))
+    assert drafting.plan(committed, limit=4) is None and drafting.length(sure, limit=3) == 3
+    assert all(drafting.plan(committed, limit=4) is None for _ in range(3))
 
 
 def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
@@ -160,19 +161,20 @@ def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_repeated_e
 def test_looked_up_tokens_are_verified_while_they_match_and_each_ngram_size_learns_alone():
     drafting = CostAwareDrafting(STEEP, prompt_lookup=2)
     repeat_of_two = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2])
-    looked_up = drafting.look_up([repeat_of_two], limit=4)
+    looked_up = drafting.plan([repeat_of_two], limit=4)
     assert looked_up is not None and looked_up[0].tolist() == [3, 4, 5, 6][: looked_up.shape[1]]
-    for _ in range(20):  # its tokens never match: bigram lookups stop paying
-        looked_up = drafting.look_up([repeat_of_two], limit=4)
+    for _ in range(20):  # its tokens never match: bigram lookups stop paying, and the round drafts (None)
+        looked_up = drafting.plan([repeat_of_two], limit=4)
         if looked_up is None:
             break
         drafting.accepted(looked_up.shape[1], [0])
     assert looked_up is None
-    assert drafting.look_up([torch.tensor([1, 2, 3, 4, 9, 4])], limit=4) is not None  # unigram repeats still may
+    unigram = drafting.plan([torch.tensor([1, 2, 3, 4, 9, 4])], limit=4)
+    assert unigram is not None and unigram.shape[1] > 0  # unigram repeats still may
     drafting.accepted(2, [2])
-    assert drafting.look_up([torch.tensor([1, 2, 3])], limit=4) is None  # nothing repeats
-    assert drafting.look_up([repeat_of_two, torch.tensor([1, 2, 3])], limit=4) is None  # every row needs a repeat
-    assert CostAwareDrafting(STEEP).look_up([repeat_of_two], limit=4) is None  # prompt lookup off
+    assert drafting.plan([torch.tensor([1, 2, 3])], limit=4) is None  # nothing repeats
+    assert drafting.plan([repeat_of_two, torch.tensor([1, 2, 3])], limit=4) is None  # every row needs a repeat
+    assert CostAwareDrafting(STEEP).plan([repeat_of_two], limit=4) is None  # prompt lookup off
 
 
 def test_greedy_decoding_with_looked_up_rounds_is_lossless():
