@@ -1172,8 +1172,8 @@ def test_soft_targets_from_a_feature_store_train_like_online_ones(tmp_path):
     draft = tiny_draft(target, draft_vocab=torch.arange(0, 128, 2)).float()  # soft targets outside it drop out
     layer_ids = draft.config.target_layer_ids
     hard_store = FeatureStore.build(target, dataset, layer_ids, str(tmp_path / "hard"))
-    with pytest.raises(ValueError, match=r"soft targets of 0 tokens, training asks for 4: .*--soft_targets 0 .*"
-                                         r"`domino-spec cache-features --soft_targets 4`"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"holds no soft targets, training asks for 4: train without --soft_targets, "
+                                         r"or rebuild .*`domino-spec cache-features --soft_targets 4`"):  # fmt: skip
         hard_store.check(dataset, layer_ids, target, top_k=4)
     with pytest.raises(ValueError, match="soft targets of 0 tokens, not 8: building this one there would discard"):
         FeatureStore.build(target, dataset, layer_ids, str(tmp_path / "hard"), top_k=8)

@@ -158,10 +158,11 @@ class FeatureStore:
                 "`domino-spec cache-features`, into another --output"
             )
         if top_k > self.top_k:
+            held = f"soft targets of {self.top_k} tokens" if self.top_k else "no soft targets"
+            fix = f"pass train --soft_targets {self.top_k} or less" if self.top_k else "train without --soft_targets"
             raise ValueError(
-                f"the feature store in {self.directory} holds soft targets of {self.top_k} tokens, training asks for "
-                f"{top_k}: pass train --soft_targets {self.top_k} or less, or rebuild the store with "
-                f"`domino-spec cache-features --soft_targets {top_k}`, into another --output"
+                f"the feature store in {self.directory} holds {held}, training asks for {top_k}: {fix}, or rebuild "
+                f"the store with `domino-spec cache-features --soft_targets {top_k}`, into another --output"
             )
 
     @staticmethod
