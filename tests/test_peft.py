@@ -88,7 +88,7 @@ def test_training_reads_lora_features_and_leaves_target_and_adapter_unchanged(tm
     )
 
     input_ids = torch.randint(5, 100, (1, 16), generator=torch.Generator().manual_seed(2))
-    features = trainer.target_features(input_ids, torch.ones_like(input_ids))
+    features = trainer.target_features({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}).hidden
     with torch.no_grad():
         wrapped = draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
         with target.disable_adapter():
