@@ -24,7 +24,8 @@ domino-spec generate-data --target smollm2-135m --prompts $RUN/held_out_prompts.
 domino-spec cache-features --config recipes/smollm2-135m/train.yaml --data $DATA --output $FEATURES
 # The shipped drafts, with and without the Domino head (same data, steps and seed), trained at once and scored as
 # learning curves. Another `--variant "NAME=TRAIN FLAGS"` adds a recipe change to compare, e.g.
-# "target-layers=--init_from_target_layers true", "block-16=--block_size 16", "whole-vocabulary=--draft_vocab_size 0".
+# "target-layers=--init_from_target_layers true", "block-16=--block_size 16", "whole-vocabulary=--draft_vocab_size 0",
+# "soft-targets=--soft_targets 16" (its store from `cache-features ... --soft_targets 16`, into another --output).
 CURVES=$RUN/curves_$CHUNKS
 python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data $DATA --features $FEATURES \
     --eval-data $RUN/held_out.jsonl --steps ${STEPS:-2500} --eval-every 500 --tau-prompts 2 --tau-tokens 96 \
