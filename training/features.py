@@ -19,6 +19,9 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 SIGNATURE_VALUES = 256  # leading values of each target weight hashed into its signature
+# A store's files, each a [tokens, width] array of all examples back to back: the features (width: the tapped
+# layers' hidden sizes), and with soft targets the target's likeliest next tokens and their probabilities (top_k).
+STORE_DTYPES = {"features.bin": np.float16, "top_ids.bin": np.int32, "top_probs.bin": np.float16}
 
 
 class _StopAfterLastTappedLayer(Exception):
@@ -41,7 +44,8 @@ def target_features(
     """The outputs of target layers `layer_ids`, and with `top_k` the target's `top_k` likeliest next tokens.
 
     Forward hooks on the tapped decoder layers capture their outputs; without `top_k` the last one ends the forward
-    early. The same features as inference reads from `output_hidden_states` (`DominoDraftModel.fuse_target_hidden_states`).
+    early. The same features as inference reads from `output_hidden_states`
+    (`DominoDraftModel.fuse_target_hidden_states`).
     """
     decoder = target.get_decoder()
     layers = decoder.layers
@@ -110,11 +114,13 @@ class FeatureStore:
         self.width = self.index["width"]
         self.offsets = self.index["offsets"]
         self.top_k = self.index.get("top_k", 0)
-        total = self.offsets[-1]
-        self.features = np.memmap(os.path.join(directory, "features.bin"), dtype=np.float16, mode="r", shape=(total, self.width))
+        self.features = self._read("features.bin", self.width)
         if self.top_k:
-            self.top_ids = np.memmap(os.path.join(directory, "top_ids.bin"), dtype=np.int32, mode="r", shape=(total, self.top_k))
-            self.top_probs = np.memmap(os.path.join(directory, "top_probs.bin"), dtype=np.float16, mode="r", shape=(total, self.top_k))
+            self.top_ids, self.top_probs = self._read("top_ids.bin", self.top_k), self._read("top_probs.bin", self.top_k)
+
+    def _read(self, name: str, width: int) -> np.memmap:
+        shape = (self.offsets[-1], width)
+        return np.memmap(os.path.join(self.directory, name), dtype=STORE_DTYPES[name], mode="r", shape=shape)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -176,13 +182,12 @@ class FeatureStore:
         identity.update({"top_k": top_k} if top_k else {})
         index = _resumable_index(index_path, identity, directory)
         done = len(index["offsets"]) - 1
-        stored = index["offsets"][-1]
-        files = {"features.bin": stored * 2 * index.get("width", 0)}  # the bytes the index counts, per file
-        files.update({"top_ids.bin": stored * 4 * top_k, "top_probs.bin": stored * 2 * top_k} if top_k else {})
+        widths = {"features.bin": index.get("width", 0)}
+        widths.update({"top_ids.bin": top_k, "top_probs.bin": top_k} if top_k else {})
         with contextlib.ExitStack() as stack:
-            outputs = {name: stack.enter_context(open(os.path.join(directory, name), "ab")) for name in files}
-            for name, size in files.items():
-                outputs[name].truncate(size if done else 0)
+            outputs = {name: stack.enter_context(open(os.path.join(directory, name), "ab")) for name in widths}
+            for name, width in widths.items():  # the bytes the index counts
+                outputs[name].truncate(index["offsets"][-1] * width * np.dtype(STORE_DTYPES[name]).itemsize)
             for example in tqdm(range(done, len(dataset)), initial=done, total=len(dataset), desc="target features"):
                 input_ids = torch.tensor([dataset[example]["input_ids"]], device=target.device)
                 computed = target_features(target, input_ids, None, layer_ids, top_k)
@@ -193,18 +198,16 @@ class FeatureStore:
                         "train with online features (no --features), or tap other layers"
                     )
                 index["width"] = features.shape[-1]
-                outputs["features.bin"].write(features.numpy().tobytes())
-                if top_k:
-                    outputs["top_ids.bin"].write(computed.top_ids[0].to(torch.int32).cpu().numpy().tobytes())
-                    outputs["top_probs.bin"].write(computed.top_probs[0].to(torch.float16).cpu().numpy().tobytes())
+                rows = {"features.bin": features}
+                rows.update({"top_ids.bin": computed.top_ids[0], "top_probs.bin": computed.top_probs[0]} if top_k else {})
+                for name, values in rows.items():
+                    outputs[name].write(values.cpu().numpy().astype(STORE_DTYPES[name]).tobytes())
                 index["offsets"].append(index["offsets"][-1] + features.shape[0])
                 if example % 50 == 0 or example == len(dataset) - 1:
-                    for output in outputs.values():
-                        _sync(output)  # on disk before the index that counts it
+                    _sync(outputs.values())  # on disk before the index that counts them
                     _write_json(index_path, index)
             index["complete"] = True
-            for output in outputs.values():
-                _sync(output)
+            _sync(outputs.values())
         _write_json(index_path, index)
         return FeatureStore(directory)
 
@@ -237,9 +240,10 @@ def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:
     return previous
 
 
-def _sync(file) -> None:
-    file.flush()
-    os.fsync(file.fileno())
+def _sync(files) -> None:
+    for file in files:
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def _write_json(path: str, value: dict) -> None:
