@@ -278,7 +278,7 @@ def train(argv: list[str]) -> None:
         args=training_args,
         train_dataset=dataset,
         eval_dataset=eval_dataset,
-        data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store, training_args.soft_targets),
+        data_collator=DominoDataCollator(pad_id, training_args.num_anchors, feature_store),
         data_summary=data_summary,
     )
     if finished:  # not `train`: resumed in the middle of an epoch, Trainer would train one step more

@@ -1196,6 +1196,12 @@ def test_soft_targets_from_a_feature_store_train_like_online_ones(tmp_path):
     torch.testing.assert_close(loss_stored, loss_online, rtol=2e-3, atol=2e-3)  # probabilities stored in fp16
     assert abs(loss_online.item() - loss_hard.item()) > 1e-3  # a random target is far from sure of its tokens
 
+    # The trainer's arguments set what its collator brings, whatever the collator was built with.
+    soft.data_collator = DominoDataCollator(pad_token_id=0, num_anchors=4, feature_store=store)
+    assert next(iter(soft.get_train_dataloader()))["target_top_ids"].shape[-1] == 4
+    hard.data_collator = DominoDataCollator(pad_token_id=0, num_anchors=4, feature_store=store, soft_targets=8)
+    assert "target_top_ids" not in next(iter(hard.get_train_dataloader()))
+
 
 def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(tmp_path):
     """`cache-features --output DIR` over a store of other layers, data or target would discard it, and with it the

@@ -51,7 +51,8 @@ class DominoDataCollator:
     With a `feature_store`, each example's precomputed target features (looked up by its `index`) come along as
     `target_hidden`, and with `soft_targets` its stored soft targets of that many tokens as `target_top_ids` and
     `target_top_probs`, so the trainer skips the target pass. Examples without an `index` (held-out data, which the
-    store does not hold) come without: the trainer computes theirs.
+    store does not hold) come without: the trainer computes theirs. `DominoTrainer` sets `anchor_seed` and
+    `soft_targets` from its arguments.
     """
 
     pad_token_id: int

@@ -153,12 +153,12 @@ def _workers_ignoring_stop_signals(dataloader):
     return dataloader
 
 
-def _with_seeded_anchors(dataloader, seed: int):
-    """`dataloader`, its `DominoDataCollator` drawing anchors from `seed` and each batch instead of torch's global
-    generator."""
+def _with_training_collator(dataloader, args: DominoTrainingArguments):
+    """`dataloader`, its `DominoDataCollator` drawing anchors from the seed and each batch instead of torch's global
+    generator, and bringing the stored soft targets the arguments train on (one setting: the arguments')."""
     loader = _torch_dataloader(dataloader)
     if isinstance(loader.collate_fn, DominoDataCollator):
-        loader.collate_fn = replace(loader.collate_fn, anchor_seed=seed)
+        loader.collate_fn = replace(loader.collate_fn, anchor_seed=args.seed, soft_targets=args.soft_targets)
     return dataloader
 
 
@@ -222,13 +222,13 @@ class DominoTrainer(Trainer):
         """Trainer's, with workers that leave stop signals to training and a collator that leaves torch's global
         generator to the model (`training_step` draws the anchors trained on): Trainer restores that generator on
         resuming only after fetching a batch, so draws of the collator's would shift any dropout's."""
-        return _with_seeded_anchors(_workers_ignoring_stop_signals(super().get_train_dataloader()), self.args.seed)
+        return _with_training_collator(_workers_ignoring_stop_signals(super().get_train_dataloader()), self.args)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """Trainer's, with workers that leave stop signals to training and anchors fixed by the seed and each batch
         (not drawn from the training stream): scores of successive evaluations compare."""
-        return _with_seeded_anchors(_workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset)),
-                                    self.args.seed)  # fmt: skip
+        return _with_training_collator(_workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset)),
+                                       self.args)  # fmt: skip
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step, on anchors drawn from the seed, the step and each example's tokens: a run resumed in the
