@@ -18,7 +18,7 @@ beside `--output`.
     python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data runs/smollm2/data.jsonl \\
         --features runs/smollm2/features --eval-data runs/smollm2/held_out.jsonl --steps 3000 --eval-every 500 \\
         --variant "shipped=" --variant "vocab8k=--draft_vocab_size 8192" --runs runs/curves \\
-        --output benchmarks/results/learning_curve_smollm2-135m.json
+        --output runs/curves/learning_curve.json
 """
 
 import argparse
@@ -197,16 +197,36 @@ def write(output: Path, results: dict) -> None:
     plot(results, output.with_suffix(".png"))
 
 
+def recipe_settings(args: argparse.Namespace) -> str:
+    """What the scores depend on, besides each variant's flags."""
+    return (
+        f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps, scored every "
+        f"{args.eval_every}; tau on the first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens."
+    )
+
+
+def load_results(args: argparse.Namespace) -> dict:
+    """The results `--output` holds, to add to, or fresh ones; refuses those of another recipe, data or variant
+    flags, whose scores would otherwise stand for this run's."""
+    if not args.output.exists():
+        return {"curves": {}, "variants": {}}
+    results = json.loads(args.output.read_text())
+    previous = results.get("settings", "").split(" Machine:")[0]
+    changed = [name for name, flags in args.variant.items() if results["variants"].get(name, flags) != flags]
+    if previous != recipe_settings(args) or changed:
+        what = f"variants {', '.join(changed)} with other flags" if changed else f"other settings ({previous})"
+        raise SystemExit(f"--output {args.output} holds the curves of {what}: pass another --output, or delete it")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    results = json.loads(args.output.read_text()) if args.output.exists() else {"curves": {}}
-    results["variants"] = args.variant
+    results = load_results(args)
+    results["variants"].update(args.variant)
     results["settings"] = (
-        f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps, scored every "
-        f"{args.eval_every}; tau on the first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens. "
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-        f"{' shared by the variants trained at once' if args.parallel else ''}; torch "
-        f"{torch.__version__}, transformers {transformers.__version__}."
+        f"{recipe_settings(args)} Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        f"threads{' shared by the variants trained at once' if args.parallel else ''}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}."
     )
     cores = torch.get_num_threads()
     train_all_first = args.parallel and not args.score_only

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import load_benchmark, tiny_draft, tiny_target
 
@@ -201,3 +202,23 @@ def test_head_pool_benchmark_measures_every_pool_with_the_same_outputs():
     assert draft.drafting_options == DraftingOptions()  # pools are passed per call, never left on the draft
     results = {"target": "tiny", "draft": "random", "limit": 2, "max_new_tokens": 12, "environment": {}, "rows": rows}
     assert "| a | " in head_pool.markdown(results) and "pool 4" in head_pool.markdown(results)
+
+
+def test_learning_curve_refuses_to_add_to_the_curves_of_other_data_or_flags(tmp_path):
+    """Scores are kept by variant and checkpoint: a rerun on other data or with a variant's flags changed would
+    otherwise show the old scores as its own."""
+    learning_curve = load_benchmark("learning_curve")
+    output = tmp_path / "curves.json"
+    flags = ["--config", "c.yaml", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5", "--output", str(output)]
+    args = learning_curve.parse_args([*flags, "--data", "a.jsonl", "--variant", "domino="])
+    points = {"checkpoint-5": {"step": 5}}
+    output.write_text(json.dumps({"curves": {"domino": points}, "variants": args.variant,
+                                  "settings": learning_curve.recipe_settings(args) + " Machine: x86_64."}))  # fmt: skip
+    more = learning_curve.parse_args([*flags, "--data", "a.jsonl", "--variant", "domino=", "--variant", "b=--x 1"])
+    assert learning_curve.load_results(more)["curves"]["domino"] == points
+    for argv, problem in (
+        (["--data", "b.jsonl", "--variant", "domino="], "other settings .*data `a.jsonl`"),
+        (["--data", "a.jsonl", "--variant", "domino=--block_size 16"], "variants domino with other flags"),
+    ):
+        with pytest.raises(SystemExit, match=f"holds the curves of {problem}.*pass another --output, or delete it"):
+            learning_curve.load_results(learning_curve.parse_args([*flags, *argv]))

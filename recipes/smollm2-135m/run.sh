@@ -31,7 +31,7 @@ python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --d
     --eval-data $RUN/held_out.jsonl --steps ${STEPS:-2500} --eval-every 500 --tau-prompts 2 --tau-tokens 96 \
     --runs $CURVES --parallel \
     --variant "domino=" --variant "dflash=--use_domino_head false" \
-    --output benchmarks/results/learning_curve_smollm2-135m.json
+    --output benchmarks/results/learning_curve_smollm2-135m_${CHUNKS}chunks.json
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
 python recipes/smollm2-135m/ship.py $CURVES/domino checkpoints/domino-smollm2-135m
 python recipes/smollm2-135m/ship.py $CURVES/dflash $RUN/dflash-bf16
