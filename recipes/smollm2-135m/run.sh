@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Reproduce the shipped SmolLM2-135M drafts, their learning curves and the README's results on a CPU machine.
 # Rerun it after an interruption: regeneration, feature caching, training and scoring resume; finished steps are kept.
-# CHUNKS (default 1) sets how many chunks of 2,000 prompts are regenerated and trained on, STEPS (default 2500) the
+# CHUNKS (default 2) sets how many chunks of 2,000 prompts are regenerated and trained on, STEPS (default 2500) the
 # training steps of each draft.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUN=runs/smollm2
-CHUNKS=${CHUNKS:-1}
+CHUNKS=${CHUNKS:-2}
 mkdir -p $RUN
 [ -f $RUN/prompts.jsonl ] || python recipes/smollm2-135m/prepare_prompts.py --output $RUN/prompts.jsonl \
     --held-out-output $RUN/held_out_prompts.jsonl
