@@ -197,12 +197,10 @@ def write(output: Path, results: dict) -> None:
     plot(results, output.with_suffix(".png"))
 
 
-def recipe_settings(args: argparse.Namespace) -> str:
-    """What the scores depend on, besides each variant's flags."""
-    return (
-        f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps, scored every "
-        f"{args.eval_every}; tau on the first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens."
-    )
+def recipe(args: argparse.Namespace) -> dict:
+    """What the scores depend on, besides each variant's flags (the scoring interval only picks the checkpoints)."""
+    return {"config": args.config, "data": args.data, "eval_data": args.eval_data, "steps": args.steps,
+            "tau_prompts": args.tau_prompts, "tau_tokens": args.tau_tokens}  # fmt: skip
 
 
 def load_results(args: argparse.Namespace) -> dict:
@@ -211,10 +209,10 @@ def load_results(args: argparse.Namespace) -> dict:
     if not args.output.exists():
         return {"curves": {}, "variants": {}}
     results = json.loads(args.output.read_text())
-    previous = results.get("settings", "").split(" Machine:")[0]
     changed = [name for name, flags in args.variant.items() if results["variants"].get(name, flags) != flags]
-    if previous != recipe_settings(args) or changed:
-        what = f"variants {', '.join(changed)} with other flags" if changed else f"other settings ({previous})"
+    if results.get("recipe") != recipe(args) or changed:
+        previous = results.get("recipe")
+        what = f"variants {', '.join(changed)} with other flags" if changed else f"another recipe ({previous})"
         raise SystemExit(f"--output {args.output} holds the curves of {what}: pass another --output, or delete it")
     return results
 
@@ -223,9 +221,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     results = load_results(args)
     results["variants"].update(args.variant)
+    results["recipe"] = recipe(args)
     results["settings"] = (
-        f"{recipe_settings(args)} Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-        f"threads{' shared by the variants trained at once' if args.parallel else ''}; torch {torch.__version__}, "
+        f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps; tau on the "
+        f"first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens. Machine: "
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        f"{' shared by the variants trained at once' if args.parallel else ''}; torch {torch.__version__}, "
         f"transformers {transformers.__version__}."
     )
     cores = torch.get_num_threads()

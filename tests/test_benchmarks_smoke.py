@@ -206,19 +206,19 @@ def test_head_pool_benchmark_measures_every_pool_with_the_same_outputs():
 
 def test_learning_curve_refuses_to_add_to_the_curves_of_other_data_or_flags(tmp_path):
     """Scores are kept by variant and checkpoint: a rerun on other data or with a variant's flags changed would
-    otherwise show the old scores as its own."""
+    otherwise show the old scores as its own. Another scoring interval only scores other checkpoints."""
     learning_curve = load_benchmark("learning_curve")
     output = tmp_path / "curves.json"
-    flags = ["--config", "c.yaml", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5", "--output", str(output)]
-    args = learning_curve.parse_args([*flags, "--data", "a.jsonl", "--variant", "domino="])
+    flags = ["--config", "c.yaml", "--eval-data", "h.jsonl", "--steps", "10", "--output", str(output)]
+    args = learning_curve.parse_args([*flags, "--eval-every", "5", "--data", "a.jsonl", "--variant", "domino="])
     points = {"checkpoint-5": {"step": 5}}
     output.write_text(json.dumps({"curves": {"domino": points}, "variants": args.variant,
-                                  "settings": learning_curve.recipe_settings(args) + " Machine: x86_64."}))  # fmt: skip
-    more = learning_curve.parse_args([*flags, "--data", "a.jsonl", "--variant", "domino=", "--variant", "b=--x 1"])
-    assert learning_curve.load_results(more)["curves"]["domino"] == points
+                                  "recipe": learning_curve.recipe(args)}))  # fmt: skip
+    more = ["--eval-every", "2", "--data", "a.jsonl", "--variant", "domino=", "--variant", "b=--x 1"]
+    assert learning_curve.load_results(learning_curve.parse_args([*flags, *more]))["curves"]["domino"] == points
     for argv, problem in (
-        (["--data", "b.jsonl", "--variant", "domino="], "other settings .*data `a.jsonl`"),
+        (["--data", "b.jsonl", "--variant", "domino="], "another recipe .*'data': 'a.jsonl'"),
         (["--data", "a.jsonl", "--variant", "domino=--block_size 16"], "variants domino with other flags"),
     ):
         with pytest.raises(SystemExit, match=f"holds the curves of {problem}.*pass another --output, or delete it"):
-            learning_curve.load_results(learning_curve.parse_args([*flags, *argv]))
+            learning_curve.load_results(learning_curve.parse_args([*flags, "--eval-every", "5", *argv]))

@@ -26,7 +26,6 @@ domino-spec cache-features --config recipes/smollm2-135m/train.yaml --data $DATA
 # learning curves. Another `--variant "NAME=TRAIN FLAGS"` adds a recipe change to compare, e.g.
 # "target-layers=--init_from_target_layers true", "block-16=--block_size 16", "whole-vocabulary=--draft_vocab_size 0",
 # "soft-targets=--soft_targets 16" (its store from `cache-features ... --soft_targets 16`, into another --output).
-# Scored every 1,250 steps, as the shipped curve was (learning_curve.py adds to an --output of the same settings only).
 CURVES=$RUN/curves_$CHUNKS
 python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data $DATA --features $FEATURES \
     --eval-data $RUN/held_out.jsonl --steps ${STEPS:-2500} --eval-every 1250 --tau-prompts 2 --tau-tokens 96 \
