@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Reproduce the shipped SmolLM2-135M drafts, their learning curves and the README's results on a CPU machine.
 # Rerun it after an interruption: regeneration, feature caching, training and scoring resume; finished steps are kept.
-# CHUNKS (default 2) sets how many chunks of 2,000 prompts are regenerated and trained on, STEPS (default 2500) the
+# CHUNKS (default 2) sets how many chunks of 2,000 prompts are regenerated and trained on, STEPS (default 5000) the
 # training steps of each draft.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RUN=runs/smollm2
 CHUNKS=${CHUNKS:-2}
+STEPS=${STEPS:-5000}
 mkdir -p $RUN
 [ -f $RUN/prompts.jsonl ] || python recipes/smollm2-135m/prepare_prompts.py --output $RUN/prompts.jsonl \
     --held-out-output $RUN/held_out_prompts.jsonl
@@ -26,12 +27,12 @@ domino-spec cache-features --config recipes/smollm2-135m/train.yaml --data $DATA
 # learning curves. Another `--variant "NAME=TRAIN FLAGS"` adds a recipe change to compare, e.g.
 # "target-layers=--init_from_target_layers true", "block-16=--block_size 16", "whole-vocabulary=--draft_vocab_size 0",
 # "soft-targets=--soft_targets 16" (its store from `cache-features ... --soft_targets 16`, into another --output).
-CURVES=$RUN/curves_$CHUNKS
+CURVES=$RUN/curves_${CHUNKS}chunks_${STEPS}steps
 python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data $DATA --features $FEATURES \
-    --eval-data $RUN/held_out.jsonl --steps ${STEPS:-2500} --eval-every 1250 --tau-prompts 2 --tau-tokens 96 \
+    --eval-data $RUN/held_out.jsonl --steps $STEPS --eval-every 1250 --tau-prompts 2 --tau-tokens 96 \
     --runs $CURVES --parallel \
     --variant "domino=" --variant "dflash=--use_domino_head false" \
-    --output benchmarks/results/learning_curve_smollm2-135m_${CHUNKS}chunks.json
+    --output benchmarks/results/learning_curve_smollm2-135m_${CHUNKS}chunks_${STEPS}steps.json
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
 python recipes/smollm2-135m/ship.py $CURVES/domino checkpoints/domino-smollm2-135m
 python recipes/smollm2-135m/ship.py $CURVES/dflash $RUN/dflash-bf16
