@@ -209,9 +209,9 @@ def load_results(args: argparse.Namespace) -> dict:
     if not args.output.exists():
         return {"curves": {}, "variants": {}}
     results = json.loads(args.output.read_text())
+    previous = results.get("recipe")
     changed = [name for name, flags in args.variant.items() if results["variants"].get(name, flags) != flags]
-    if results.get("recipe") != recipe(args) or changed:
-        previous = results.get("recipe")
+    if previous != recipe(args) or changed:
         what = f"variants {', '.join(changed)} with other flags" if changed else f"another recipe ({previous})"
         raise SystemExit(f"--output {args.output} holds the curves of {what}: pass another --output, or delete it")
     return results
