@@ -27,6 +27,7 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ an
 
 import argparse  # noqa: E402
 import difflib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -55,6 +56,7 @@ PUBLISHED_DRAFT_LAYERS, PUBLISHED_TARGET_LAYERS = 5, 36
 
 def generate_data(argv: list[str]) -> None:
     from .generation.cpu import optimize_for_cpu
+    from .generation.engine import speculative_generate
     from .training.data import load_prompts, regenerate_responses
 
     parser = argparse.ArgumentParser(
@@ -85,6 +87,7 @@ def generate_data(argv: list[str]) -> None:
         tokenizer,
         prompts,
         args.output,
+        functools.partial(speculative_generate, draft=None),  # plain decoding, a row leaving the batch at its EOS
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         temperature=args.temperature,

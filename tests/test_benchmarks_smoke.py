@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_benchmark, tiny_draft, tiny_target
+from conftest import load_benchmark, tiny_draft, tiny_target, tiny_tokenizer
 
 from domino_spec import head_step_triton
 from domino_spec.drafting import DraftingOptions
@@ -222,3 +222,25 @@ def test_learning_curve_refuses_to_add_to_the_curves_of_other_data_or_flags(tmp_
     ):
         with pytest.raises(SystemExit, match=f"holds the curves of {problem}.*pass another --output, or delete it"):
             learning_curve.load_results(learning_curve.parse_args([*flags, "--eval-every", "5", *argv]))
+
+
+def test_regeneration_throughput_benchmark_times_both_ways_on_the_same_answers(tmp_path):
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = 1
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    prompts = [{"id": f"p{i}", "prompt": f"why {i}? " * (i % 4 + 1)} for i in range(7)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
+    output = tmp_path / "regeneration.json"
+    command = [
+        sys.executable, str(BENCHMARKS / "regeneration_throughput.py"), "--target", str(tmp_path / "target"),
+        "--prompts-file", str(tmp_path / "prompts.jsonl"), "--prompts", "5", "--batch-size", "2",
+        "--max-new-tokens", "8", "--threads", "1", "--output", str(output),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert set(results["results"]) == {"transformers generate", "native engine"}
+    assert all(row["seconds"] > 0 and row["tokens_per_s"] > 0 for row in results["results"].values())
+    assert results["identical"] == 5 and results["response_tokens"] > 0
+    assert "| native engine |" in output.with_suffix(".md").read_text()

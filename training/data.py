@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +206,7 @@ def regenerate_responses(
     tokenizer,
     prompts: list[Prompt],
     output_path: str,
+    decode: Callable,
     max_new_tokens: int = 512,
     batch_size: int = 8,
     temperature: float = 0.0,
@@ -219,6 +220,12 @@ def regenerate_responses(
     Resumable: prompts whose id is already in `output_path` are skipped; resuming with another target or other
     settings raises. Prompts are batched by length with left padding; `temperature=0` is greedy. Returns the number
     of records written by this call.
+
+    `decode` is plain decoding of a batch, called as `decode(target, input_ids=, attention_mask=, max_new_tokens=,
+    do_sample=, temperature=, eos_token_id=, pad_token_id=, generator=)` and returning the `sequences` and each row's
+    `num_new_tokens`: `generate-data` passes the native engine's, `functools.partial(speculative_generate,
+    draft=None)`, where a row leaves the batch at its EOS (transformers' `generate` computes every row until the
+    batch's longest answer ends).
     """
     settings = {
         "target": _record_signature(target),
@@ -247,20 +254,24 @@ def regenerate_responses(
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             input_ids, attention_mask = left_pad([ids for _, ids in batch], pad_id)
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
-            sequences = target.generate(
+            batch_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed))
+            generator = torch.Generator(device).manual_seed(batch_seed)
+            decoded = decode(
+                target,
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 max_new_tokens=max_new_tokens,
                 do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_k=None,
-                top_p=None,
-                pad_token_id=pad_id,
+                temperature=temperature if temperature > 0 else 1.0,
                 eos_token_id=eos_ids,
+                pad_token_id=pad_id,
+                generator=generator,
             )
-            for (prompt, ids), row in zip(batch, sequences[:, input_ids.shape[1] :].tolist()):
-                response_ids = _until_eos(row, eos_ids)
+            responses = [
+                row[input_ids.shape[1] : input_ids.shape[1] + length]
+                for row, length in zip(decoded.sequences.tolist(), decoded.num_new_tokens)
+            ]
+            for (prompt, ids), response_ids in zip(batch, responses):
                 record = {
                     "id": prompt.id,
                     "messages": prompt.messages,
@@ -276,14 +287,6 @@ def regenerate_responses(
             progress.update(len(batch))
     progress.close()
     return written
-
-
-def _until_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
-    """Generated tokens up to and including the first EOS (the padding after it dropped)."""
-    for index, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: index + 1]
-    return tokens
 
 
 # ---------------------------------------------------------------------- training examples
