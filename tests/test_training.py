@@ -158,11 +158,12 @@ def test_seeded_anchors_are_fixed_per_batch_and_differ_between_batches():
 
 def test_training_draws_each_examples_anchors_from_the_seed_and_the_step(tmp_path):
     """Whatever the global generator drew before: a resumed run trains on the blocks the uninterrupted one trained on.
-    The next step (another epoch) draws others."""
+    The next step (another epoch) draws others. The step draws them, once: the training batches come without."""
     target = tiny_target("llama")
     examples = _random_examples(count=2, length=16, prompt_length=4)
     trainer = _trainer(tmp_path, target, tiny_draft(target).float(), examples, num_anchors=2)
-    batch = DominoDataCollator(pad_token_id=0, num_anchors=2)(examples)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "anchor_positions" not in batch
     trainer.current_gradient_accumulation_steps = 1  # as Trainer's loop sets it before each step
     losses = []
     for step in (0, 0, 1):

@@ -46,13 +46,14 @@ def sample_anchors(
 
 @dataclass
 class DominoDataCollator:
-    """Pads `input_ids`/`loss_mask` examples on the right and samples `num_anchors` anchors per sequence.
+    """Pads `input_ids`/`loss_mask` examples on the right and samples `num_anchors` anchors per sequence (unless
+    `draw_anchors` is False: `DominoTrainer.training_step` draws the anchors it trains on).
 
     With a `feature_store`, each example's precomputed target features (looked up by its `index`) come along as
     `target_hidden`, and with `soft_targets` its stored soft targets of that many tokens as `target_top_ids` and
     `target_top_probs`, so the trainer skips the target pass. Examples without an `index` (held-out data, which the
-    store does not hold) come without: the trainer computes theirs. `DominoTrainer` sets `anchor_seed` and
-    `soft_targets` from its arguments.
+    store does not hold) come without: the trainer computes theirs. `DominoTrainer` sets `num_anchors`,
+    `anchor_seed`, `draw_anchors` and `soft_targets` from its arguments.
     """
 
     pad_token_id: int
@@ -60,6 +61,7 @@ class DominoDataCollator:
     feature_store: FeatureStore | None = None
     soft_targets: int = 0
     anchor_seed: int | None = None  # None: anchors from torch's global generator; else fixed by the seed and batch
+    draw_anchors: bool = True  # False: batches without `anchor_positions`
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(example["input_ids"]) for example in examples)
@@ -71,12 +73,9 @@ class DominoDataCollator:
             input_ids[row, :size] = torch.as_tensor(example["input_ids"])
             attention_mask[row, :size] = 1
             loss_mask[row, :size] = torch.as_tensor(example["loss_mask"])
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "loss_mask": loss_mask,
-            "anchor_positions": sample_anchors(loss_mask, self.num_anchors, self._anchor_generator(input_ids)),
-        }
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+        if self.draw_anchors:
+            batch["anchor_positions"] = sample_anchors(loss_mask, self.num_anchors, self._anchor_generator(input_ids))
         if self.feature_store is not None and "index" in examples[0]:
             features = torch.zeros(len(examples), length, self.feature_store.width)
             for row, example in enumerate(examples):

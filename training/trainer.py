@@ -153,12 +153,14 @@ def _workers_ignoring_stop_signals(dataloader):
     return dataloader
 
 
-def _with_training_collator(dataloader, args: DominoTrainingArguments):
-    """`dataloader`, its `DominoDataCollator` drawing anchors from the seed and each batch instead of torch's global
-    generator, and bringing the stored soft targets the arguments train on (one setting: the arguments')."""
+def _with_training_collator(dataloader, args: DominoTrainingArguments, draw_anchors: bool):
+    """`dataloader`, its `DominoDataCollator` set by the arguments (one setting: theirs): drawing their number of
+    anchors from the seed and each batch instead of torch's global generator, or none (`draw_anchors` False), and
+    bringing the stored soft targets they train on."""
     loader = _torch_dataloader(dataloader)
     if isinstance(loader.collate_fn, DominoDataCollator):
-        loader.collate_fn = replace(loader.collate_fn, anchor_seed=args.seed, soft_targets=args.soft_targets)
+        loader.collate_fn = replace(loader.collate_fn, num_anchors=args.num_anchors, anchor_seed=args.seed,
+                                    draw_anchors=draw_anchors, soft_targets=args.soft_targets)  # fmt: skip
     return dataloader
 
 
@@ -219,25 +221,26 @@ class DominoTrainer(Trainer):
         self._load_from_checkpoint(best if self.args.load_best_model_at_end and best else checkpoint)
 
     def get_train_dataloader(self):
-        """Trainer's, with workers that leave stop signals to training and a collator that leaves torch's global
-        generator to the model (`training_step` draws the anchors trained on): Trainer restores that generator on
-        resuming only after fetching a batch, so draws of the collator's would shift any dropout's."""
-        return _with_training_collator(_workers_ignoring_stop_signals(super().get_train_dataloader()), self.args)
+        """Trainer's, with workers that leave stop signals to training and a collator that draws no anchors:
+        `training_step` draws the ones trained on, which depend on the step, which the collator does not know."""
+        dataloader = _workers_ignoring_stop_signals(super().get_train_dataloader())
+        return _with_training_collator(dataloader, self.args, draw_anchors=False)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """Trainer's, with workers that leave stop signals to training and anchors fixed by the seed and each batch
         (not drawn from the training stream): scores of successive evaluations compare."""
-        return _with_training_collator(_workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset)),
-                                       self.args)  # fmt: skip
+        dataloader = _workers_ignoring_stop_signals(super().get_eval_dataloader(eval_dataset))
+        return _with_training_collator(dataloader, self.args, draw_anchors=True)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Trainer's step, on anchors drawn from the seed, the step and each example's tokens: a run resumed in the
-        middle of an epoch trains on the blocks the uninterrupted run trained on (what a generator had drawn before
-        the step is not restored: Trainer skips the trained batches, DataLoader workers seed their own)."""
+        """Trainer's step, on anchors drawn here from the seed, the step and each example's tokens: a run resumed in
+        the middle of an epoch trains on the blocks the uninterrupted run trained on (what a generator had drawn
+        before the step is not restored: Trainer skips the trained batches, DataLoader workers seed their own).
+        Anchors a batch already holds are replaced."""
         rows = zip(inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool())
         generators = [seeded_generator(self.args.seed, self.state.global_step, ids[mask]) for ids, mask in rows]
-        anchors = sample_anchors(inputs["loss_mask"].cpu(), inputs["anchor_positions"].shape[1], generators)
-        inputs = {**inputs, "anchor_positions": anchors.to(inputs["anchor_positions"].device)}
+        anchors = sample_anchors(inputs["loss_mask"].cpu(), self.args.num_anchors, generators)
+        inputs = {**inputs, "anchor_positions": anchors.to(inputs["input_ids"].device)}
         return super().training_step(model, inputs, num_items_in_batch)
 
     def current_lambda(self) -> float:
