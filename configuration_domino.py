@@ -4,8 +4,6 @@ This file is copied into every saved checkpoint (``trust_remote_code``), so it i
 torch and transformers.
 """
 
-import warnings
-
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import RopeParameters
@@ -23,10 +21,6 @@ def default_target_layer_ids(num_target_layers: int, num_tapped_layers: int) -> 
     last = max(num_target_layers - LAYERS_SKIPPED_AT_END, FIRST_TAPPED_LAYER + num_tapped_layers - 1)
     span = last - FIRST_TAPPED_LAYER
     return [round(FIRST_TAPPED_LAYER + i * span / (num_tapped_layers - 1)) for i in range(num_tapped_layers)]
-
-
-# Drafting options older configs saved (now `DraftingOptions`), with their defaults: dropped when such a config is read.
-RUN_TIME_OPTIONS = {"head_candidate_pool": 0, "fused_head_step": False, "gru_input_table_max_bytes": 256 * 2**20}
 
 
 def _is_integer(value) -> bool:
@@ -125,14 +119,6 @@ class DominoConfig(PretrainedConfig):
     attribute_map = {"emb_dim": "residual_rank", "pure_draft_prefix_len": "first_corrected_slot"}
 
     def __post_init__(self, **kwargs):
-        for name, default in RUN_TIME_OPTIONS.items():  # older configs saved the drafting options: arguments now
-            if kwargs.pop(name, default) != default:
-                warnings.warn(
-                    f"DominoConfig: {name} is no longer a config field; the drafting options are run-time arguments "
-                    "now: set `draft.drafting_options = DraftingOptions(...)` (candidate_pool, fused_step, "
-                    "gate_table_max_bytes).",
-                    stacklevel=2,
-                )
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:

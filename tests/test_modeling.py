@@ -640,9 +640,9 @@ def test_the_shipped_checkpoint_runs_the_root_code():
         assert path.read_bytes() == (model_file.parent / path.name).read_bytes(), path.name
 
 
-def test_a_checkpoint_of_the_older_layout_loads_its_head_and_options(tmp_path):
-    """Older folders hold the head's weights at the top level (the published names), the published config names and
-    the drafting options then saved in the config: all read, the options dropped, no weight left random."""
+def test_a_checkpoint_of_the_older_layout_loads_its_head_and_config_names(tmp_path):
+    """Older folders hold the head's weights at the top level (the published names) and the published config names:
+    both read, no weight left random."""
     from safetensors.torch import load_file, save_file
 
     draft = tiny_draft(tiny_target("qwen3"))
@@ -651,10 +651,8 @@ def test_a_checkpoint_of_the_older_layout_loads_its_head_and_options(tmp_path):
     save_file({key.removeprefix("head."): value for key, value in weights.items()}, tmp_path / "model.safetensors")
     config = json.loads((tmp_path / "config.json").read_text())
     config["emb_dim"], config["pure_draft_prefix_len"] = config.pop("residual_rank"), config.pop("first_corrected_slot")
-    config.update(head_candidate_pool=0, fused_head_step=False, gru_input_table_max_bytes=1024)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.warns(UserWarning, match="gru_input_table_max_bytes is no longer a config field.*DraftingOptions"):
-        loaded = DominoDraftModel.from_pretrained(tmp_path)
+    loaded = DominoDraftModel.from_pretrained(tmp_path)
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
-    assert loaded.config.to_dict().keys().isdisjoint(["head_candidate_pool", "emb_dim", "gru_input_table_max_bytes"])
+    assert loaded.config.to_dict().keys().isdisjoint(["emb_dim", "pure_draft_prefix_len"])
