@@ -1255,15 +1255,14 @@ def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(t
     FeatureStore(str(store_dir)).check(dataset, [1, 3], target)
     assert len(FeatureStore.build(target, dataset, [1, 3], str(store_dir))) == 3
     assert {name: (store_dir / name).read_bytes() for name in files} == files
-    # A store from before target signatures: finished, it stands (as `check` lets it); unfinished, the rest could come
-    # from another target, so it is refused.
+    # A store that records no target cannot be checked against one: refused, naming the fix.
     index = json.loads(files["index.json"])
     del index["target"]
     (store_dir / "index.json").write_text(json.dumps(index))
-    assert len(FeatureStore.build(target, dataset, [1, 3], str(store_dir))) == 3
-    (store_dir / "index.json").write_text(json.dumps({**index, "complete": False}))
-    with pytest.raises(ValueError, match="holds an unfinished feature store of an unrecorded target"):
-        FeatureStore.build(tiny_target("llama", seed=5), dataset, [1, 3], str(store_dir))
+    with pytest.raises(ValueError, match="records no target: recompute it with `domino-spec cache-features`"):
+        FeatureStore(str(store_dir))
+    with pytest.raises(ValueError, match=f"holds a feature store of an unrecorded target: .*{fix}"):
+        FeatureStore.build(target, dataset, [1, 3], str(store_dir))
 
 
 def test_a_draft_vocabulary_trained_from_the_responses_and_narrowed_by_the_draft_vocab_command(tmp_path, tiny_target_dir):

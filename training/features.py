@@ -9,7 +9,6 @@ at every position).
 import contextlib
 import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass
 
@@ -17,7 +16,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-logger = logging.getLogger(__name__)
 SIGNATURE_VALUES = 256  # leading values of each target weight hashed into its signature
 # A store's files, each a [tokens, width] array of all examples back to back: the features (width: the tapped
 # layers' hidden sizes), and with soft targets the target's likeliest next tokens and their probabilities (top_k).
@@ -107,6 +105,11 @@ class FeatureStore:
             raise FileNotFoundError(f"no feature store in {directory} (missing index.json): run `domino-spec cache-features`")
         with open(index_path, encoding="utf-8") as file:
             self.index = json.load(file)
+        if "target" not in self.index:  # nothing to check a run's target against
+            raise ValueError(
+                f"the feature store in {directory} records no target: recompute it with `domino-spec cache-features`, "
+                "into another --output"
+            )
         if not self.index.get("complete"):
             raise ValueError(f"the feature store in {directory} is incomplete: rerun `domino-spec cache-features` to finish it")
         self.directory = directory
@@ -155,9 +158,7 @@ class FeatureStore:
                 "it was built from, or rebuild it for this --data with `domino-spec cache-features`, into another "
                 "--output"
             )
-        if "target" not in self.index:
-            logger.warning("the feature store predates target signatures: it cannot be checked against the target")
-        elif self.index["target"] != target_signature(target):
+        if self.index["target"] != target_signature(target):
             raise ValueError(
                 f"the feature store in {self.directory} was built by another target (or other weights of it): pass "
                 "train the --target it was built by, or rebuild it for this --target with "
@@ -227,10 +228,8 @@ def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:
         differences.append("other training data")
     if previous.get("top_k", 0) != identity.get("top_k", 0):
         differences.append(f"soft targets of {previous.get('top_k', 0)} tokens, not {identity.get('top_k', 0)}")
-    if "target" not in previous and not previous.get("complete"):  # older stores record none: finished, `check` warns
-        differences.append("an unrecorded target (it predates target signatures)")
-    elif previous.get("target", identity["target"]) != identity["target"]:
-        differences.append("another target (or other weights of it)")
+    if previous.get("target") != identity["target"]:
+        differences.append("another target (or other weights of it)" if "target" in previous else "an unrecorded target")
     if differences:
         store = "a feature store" if previous.get("complete") else "an unfinished feature store"
         raise ValueError(
