@@ -1,4 +1,4 @@
-"""Real models and data that install offline from the package index (see ../shared/ASSETS.md).
+"""Real models and data that install offline from the package index (`requirements-assets.txt` lists them).
 
 Models ship inside wheels as GGUF files. They are located without importing their packages, checked against
 a pinned sha256, dequantised once into a safetensors folder under the cache directory

@@ -27,7 +27,7 @@ def sample_anchors(
     N is at most the most positions a response of the batch has: beyond, every row would only repeat blocks, at
     the memory cost of their logits (N x block x vocabulary per row).
     """
-    batch_size, length = loss_mask.shape
+    batch_size = loss_mask.shape[0]
     candidates = torch.zeros_like(loss_mask, dtype=torch.bool)
     candidates[:, :-1] = loss_mask[:, 1:].bool() & loss_mask[:, :-1].bool()
     num_anchors = max(1, min(num_anchors, int(candidates.sum(-1).max())))
