@@ -15,6 +15,10 @@ step's small matrices gain little from a second thread, so this draws more curve
 training and scoring already done. Prints a table and writes the results (JSON), a Markdown table and a figure
 beside `--output`.
 
+A curve goes on across sessions: with `--continues` the results of the session whose drafts a variant starts from
+(`--init_from` in its flags), that variant's steps, examples and CPU-hours count on from the last point of its
+curve there, which its figure and table start from; a variant trained from scratch counts from zero.
+
     python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data runs/smollm2/data.jsonl \\
         --features runs/smollm2/features --eval-data runs/smollm2/held_out.jsonl --steps 3000 --eval-every 500 \\
         --variant "shipped=" --variant "vocab8k=--draft_vocab_size 8192" --runs runs/curves \\
@@ -64,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", action="store_true",
                         help="train every variant at once, on an equal share of the cores each, then score them")  # fmt: skip
     parser.add_argument("--output", type=Path, required=True, help="results JSON (.md and .png beside it)")
+    parser.add_argument("--continues", type=Path, default=None,
+                        help="the results JSON of the session the --init_from variants go on from")  # fmt: skip
     args = parser.parse_args(argv)
     args.variant = dict(variant.split("=", 1) for variant in args.variant)
     return args
@@ -74,6 +80,34 @@ def train_flags(args: argparse.Namespace, name: str) -> list[str]:
     flags += ["--max_steps", str(args.steps), "--save_steps", str(args.eval_every), "--save_total_limit", "100"]
     flags += ["--features", args.features] if args.features else []
     return flags + shlex.split(args.variant[name])
+
+
+def warm_started(flags: str) -> bool:
+    """Whether a variant's train flags start it from an earlier draft (`--init_from`)."""
+    return any(flag.split("=")[0] in ("--init_from", "--init-from") for flag in shlex.split(flags))
+
+
+def starts(args: argparse.Namespace) -> dict[str, dict]:
+    """The point each warm-started variant goes on from: the last of its curve in `--continues`, whose step,
+    examples and CPU-hours are the totals behind the draft it starts from."""
+    if args.continues is None:
+        return {}
+    previous = json.loads(args.continues.read_text())
+    found = {}
+    for name, flags in args.variant.items():
+        if not warm_started(flags):
+            continue
+        if not previous["curves"].get(name):
+            raise SystemExit(f"--continues {args.continues} has no curve {name!r} for the variant to go on from")
+        found[name] = max(previous["curves"][name].values(), key=lambda point: point["step"])
+    return found
+
+
+def counted_from(start: dict | None, step: int, examples: int, hours: float) -> dict:
+    """A checkpoint's step, examples and CPU-hours counted on from `start` (None: from zero)."""
+    start = start or {"step": 0, "examples": 0, "cpu_hours": 0.0}
+    return {"step": start["step"] + step, "examples": start["examples"] + examples,
+            "cpu_hours": round(start["cpu_hours"] + hours, 3)}  # fmt: skip
 
 
 def start_training(args: argparse.Namespace, name: str, threads: int) -> subprocess.Popen:
@@ -138,16 +172,16 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
     prompts = [torch.tensor([prompt_token_ids(tokenizer, item["messages"])], device=target.device)
                for set_name in EVAL_SETS for item in eval_prompts(set_name, args.tau_prompts)]  # fmt: skip
     points = results["curves"].setdefault(name, {})
+    start = results.get("starts", {}).get(name)
     for checkpoint in checkpoints(args, name):
         if checkpoint.name in points:
             continue
         draft = DominoDraftModel.from_pretrained(checkpoint, dtype=target.dtype).to(target.device).eval()
         state = json.loads((checkpoint / "trainer_state.json").read_text())
+        examples = state["global_step"] * state["train_batch_size"]
         points[checkpoint.name] = {
-            "step": state["global_step"],
-            "examples": state["global_step"] * state["train_batch_size"],
-            "epoch": round(state["epoch"], 3),
-            "cpu_hours": round(cpu_hours(args, name, checkpoint), 3),
+            **counted_from(start, state["global_step"], examples, cpu_hours(args, name, checkpoint)),
+            "epoch": round(state["epoch"], 3),  # of this run's data
             **proxy(args, name, draft, target, tokenizer, eval_dataset),
             "tau": round(tau(draft, target, prompts, eos, args.tau_tokens), 3),
         }
@@ -155,15 +189,24 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
         write(args.output, results)
 
 
+def curve(results: dict, name: str) -> list[dict]:
+    """The points of variant `name` by step, from the point it went on from, if any."""
+    start = results.get("starts", {}).get(name)
+    return ([start] if start else []) + sorted(results["curves"][name].values(), key=lambda point: point["step"])
+
+
 def markdown(results: dict) -> str:
     lines = ["| variant | step | examples | epoch | CPU-hours | eval loss | proxy (base) | proxy (final) | tau |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name, points in results["curves"].items():
-        for point in sorted(points.values(), key=lambda point: point["step"]):
+    for name in results["curves"]:
+        for point in curve(results, name):
             lines.append(f"| {name} | {point['step']} | {point['examples']} | {point['epoch']} | {point['cpu_hours']} | "
                          f"{point['loss']} | {point['acceptance_base']} | {point['acceptance_final']} | "
                          f"{point['tau']} |")  # fmt: skip
     flags = "\n".join(f"- {name}: `{flags or '(the recipe)'}`" for name, flags in results["variants"].items())
+    if results.get("starts"):
+        flags += (f"\n\nSteps, examples and CPU-hours count on from `{results['recipe']['continues']}`, whose last "
+                  f"point starts the curves of {', '.join(results['starts'])}.")  # fmt: skip
     return f"# Learning curves\n\n{results['settings']}\n\n{flags}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -174,8 +217,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name, points in results["curves"].items():
-        points = sorted(points.values(), key=lambda point: point["step"])
+    for name in results["curves"]:
+        points = curve(results, name)
         axes[0].plot([p["examples"] for p in points], [p["tau"] for p in points], marker="o", label=name)
         axes[1].plot([p["cpu_hours"] for p in points], [p["tau"] for p in points], marker="o", label=name)
         axes[2].plot([p["examples"] for p in points], [p["acceptance_final"] for p in points], marker="o", label=name)
@@ -199,8 +242,9 @@ def write(output: Path, results: dict) -> None:
 
 def recipe(args: argparse.Namespace) -> dict:
     """What the scores depend on, besides each variant's flags (the scoring interval only picks the checkpoints)."""
+    continues = {"continues": str(args.continues)} if args.continues else {}  # absent: earlier results still load
     return {"config": args.config, "data": args.data, "eval_data": args.eval_data, "steps": args.steps,
-            "tau_prompts": args.tau_prompts, "tau_tokens": args.tau_tokens}  # fmt: skip
+            "tau_prompts": args.tau_prompts, "tau_tokens": args.tau_tokens, **continues}  # fmt: skip
 
 
 def load_results(args: argparse.Namespace) -> dict:
@@ -222,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = load_results(args)
     results["variants"].update(args.variant)
     results["recipe"] = recipe(args)
+    results["starts"] = starts(args)
     results["settings"] = (
         f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps; tau on the "
         f"first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens. Machine: "

@@ -1,0 +1,105 @@
+"""The SmolLM2-135M recipe keeps its regenerated data in the repository piece by piece, and its learning curves count
+on across sessions: tiny data, no model."""
+
+import argparse
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from conftest import load_benchmark
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
+
+
+def load_pieces():
+    spec = importlib.util.spec_from_file_location("recipe_pieces", RECIPE / "pieces.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def pieces(monkeypatch):
+    """pieces.py with a fixed fingerprint, 2 prompts a piece, and `generate-data` answering every prompt."""
+    module = load_pieces()
+    monkeypatch.setattr(module, "PIECE_SIZE", 2)
+    monkeypatch.setattr(module, "fingerprint", lambda: {"target": "t", "gguf_sha256": "a", "generation": {}})
+    regenerated = []
+
+    def regenerate_piece(prompts, records_path):
+        regenerated.append([json.loads(line)["id"] for line in prompts])
+        with open(records_path, "a", encoding="utf-8") as file:
+            for line in prompts:
+                file.write(json.dumps({"id": json.loads(line)["id"], "response_ids": [1, 2]}) + "\n")
+        return {"wall_seconds": 1.0, "cpu_seconds": 2.0}
+
+    monkeypatch.setattr(module, "regenerate_piece", regenerate_piece)
+    module.regenerated = regenerated
+    return module
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"q{i}"}) + "\n" for i in range(count)))
+    return path
+
+
+def regenerate_args(tmp_path: Path, pieces: int) -> argparse.Namespace:
+    return argparse.Namespace(prompts=str(tmp_path / "prompts.jsonl"), pieces=pieces, work=str(tmp_path / "work"),
+                              commit=False, data_dir=str(tmp_path / "data"))  # fmt: skip
+
+
+def test_committed_pieces_are_skipped_and_the_training_data_is_all_of_them(pieces, tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 5)
+    pieces.regenerate(regenerate_args(tmp_path, 2))
+    assert pieces.regenerated == [["p0", "p1"], ["p2", "p3"]]
+    assert pieces.committed_pieces(str(tmp_path / "data")) == [0, 1]
+    manifest = pieces.read_manifest(1, str(tmp_path / "data"))
+    assert manifest["prompts"] == [2, 4] and manifest["conversations"] == 2
+    with gzip.open(tmp_path / "data" / "piece-001.jsonl.gz", "rt") as file:
+        assert [json.loads(line)["id"] for line in file] == ["p2", "p3"]
+
+    pieces.regenerate(regenerate_args(tmp_path, 10))  # only the last, short piece is left
+    assert pieces.regenerated[2:] == [["p4"]]
+    output = tmp_path / "data.jsonl"
+    build = argparse.Namespace(data_dir=str(tmp_path / "data"), output=str(output), prompts=str(tmp_path / "prompts.jsonl"))
+    pieces.build(build)
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [f"p{i}" for i in range(5)]
+
+
+def test_a_piece_of_another_target_or_of_other_prompts_is_an_error(pieces, tmp_path, monkeypatch):
+    write_prompts(tmp_path / "prompts.jsonl", 4)
+    pieces.regenerate(regenerate_args(tmp_path, 1))
+    monkeypatch.setattr(pieces, "fingerprint", lambda: {"target": "t", "gguf_sha256": "b", "generation": {}})
+    with pytest.raises(ValueError, match="piece-000 was regenerated with another gguf_sha256"):
+        pieces.regenerate(regenerate_args(tmp_path, 2))
+    assert pieces.regenerated == [["p0", "p1"]]
+
+    monkeypatch.setattr(pieces, "fingerprint", lambda: {"target": "t", "gguf_sha256": "a", "generation": {}})
+    (tmp_path / "prompts.jsonl").write_text((tmp_path / "prompts.jsonl").read_text().replace('"q0"', '"other"'))
+    with pytest.raises(ValueError, match="piece-000 holds responses to other prompts"):
+        pieces.regenerate(regenerate_args(tmp_path, 2))
+
+
+def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_curve(tmp_path):
+    learning_curve = load_benchmark("learning_curve")
+    previous = tmp_path / "previous.json"
+    points = {f"checkpoint-{step}": {"step": step, "examples": 2 * step, "cpu_hours": step / 1000, "tau": 1.4}
+              for step in (500, 1000)}  # fmt: skip
+    previous.write_text(json.dumps({"curves": {"domino": points, "dflash": points}}))
+    argv = ["--config", "c.yaml", "--data", "d.jsonl", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5",
+            "--output", str(tmp_path / "curves.json"), "--continues", str(previous),
+            "--variant", "domino=--init_from checkpoints/draft --warmup_steps 10", "--variant", "dflash=--x 1"]  # fmt: skip
+    args = learning_curve.parse_args(argv)
+    starts = learning_curve.starts(args)
+    assert list(starts) == ["domino"] and starts["domino"]["step"] == 1000  # dflash trains from scratch
+    assert learning_curve.counted_from(starts["domino"], 5, 10, 0.25) == {"step": 1005, "examples": 2010,
+                                                                            "cpu_hours": 1.25}  # fmt: skip
+    assert learning_curve.counted_from(None, 5, 10, 0.25) == {"step": 5, "examples": 10, "cpu_hours": 0.25}
+    results = {"curves": {"domino": {"checkpoint-5": {"step": 1005}}}, "starts": starts}
+    assert [point["step"] for point in learning_curve.curve(results, "domino")] == [1000, 1005]
+
+    argv[argv.index("--variant") + 1] = "ablation=--init-from=checkpoints/draft"
+    with pytest.raises(SystemExit, match="has no curve 'ablation'"):
+        learning_curve.starts(learning_curve.parse_args(argv))
