@@ -63,7 +63,9 @@ def test_committed_pieces_are_skipped_and_the_training_data_is_all_of_them(piece
     pieces.regenerate(regenerate_args(tmp_path, 10))  # only the last, short piece is left
     assert pieces.regenerated[2:] == [["p4"]]
     output = tmp_path / "data.jsonl"
-    build = argparse.Namespace(data_dir=str(tmp_path / "data"), output=str(output), prompts=str(tmp_path / "prompts.jsonl"))
+    build = argparse.Namespace(
+        data_dir=str(tmp_path / "data"), output=str(output), prompts=str(tmp_path / "prompts.jsonl")
+    )
     pieces.build(build)
     assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [f"p{i}" for i in range(5)]
 
@@ -90,7 +92,8 @@ def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_cu
     previous.write_text(json.dumps({"curves": {"domino": points, "dflash": points}}))
     argv = ["--config", "c.yaml", "--data", "d.jsonl", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5",
             "--output", str(tmp_path / "curves.json"), "--continues", str(previous),
-            "--variant", "domino=--init_from checkpoints/draft --warmup_steps 10", "--variant", "dflash=--x 1"]  # fmt: skip
+            "--variant", "domino=--init_from checkpoints/draft --warmup_steps 10",
+            "--variant", "dflash=--x 1"]  # fmt: skip
     args = learning_curve.parse_args(argv)
     starts = learning_curve.starts(args)
     assert list(starts) == ["domino"] and starts["domino"]["step"] == 1000  # dflash trains from scratch

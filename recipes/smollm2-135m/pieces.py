@@ -19,6 +19,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -89,9 +90,9 @@ def committed_pieces(data_dir: str = DATA_DIR) -> list[int]:
     """Indices of the pieces in `data_dir`: those with both their records and their manifest."""
     if not os.path.isdir(data_dir):
         return []
-    names = os.listdir(data_dir)
-    indices = [int(name[len("piece-") : -len(".json")]) for name in names if name.startswith("piece-") and name.endswith(".json")]
-    return sorted(i for i in indices if f"{piece_name(i)}.jsonl.gz" in names)
+    names = set(os.listdir(data_dir))
+    manifests = (re.fullmatch(r"piece-(\d+)\.json", name) for name in names)
+    return sorted(int(m[1]) for m in manifests if m and f"{piece_name(int(m[1]))}.jsonl.gz" in names)
 
 
 def read_manifest(index: int, data_dir: str = DATA_DIR) -> dict:
@@ -120,7 +121,9 @@ def check_piece(manifest: dict, expected: dict, prompt_lines: list[str] | None =
             )
 
 
-def write_piece(records_path: str, index: int, prompts: list[str], expected: dict, cost: dict, data_dir: str) -> list[str]:
+def write_piece(
+    records_path: str, index: int, prompts: list[str], expected: dict, cost: dict, data_dir: str
+) -> list[str]:
     """Compress a finished piece's records into `data_dir` with its manifest; the two paths written."""
     os.makedirs(data_dir, exist_ok=True)
     gz_path = os.path.join(data_dir, f"{piece_name(index)}.jsonl.gz")
@@ -166,9 +169,12 @@ def regenerate_piece(prompts: list[str], records_path: str) -> dict:
 
 def git_commit(paths: list[str], message: str, attempts: int = 5) -> None:
     """Commit only `paths`, retrying while another engineer's git command holds the index lock."""
+
+    def git(*args: str) -> bool:
+        return subprocess.run(["git", *args], cwd=HERE).returncode == 0
+
     for attempt in range(attempts):
-        added = subprocess.run(["git", "add", "--", *paths], cwd=HERE)
-        if added.returncode == 0 and subprocess.run(["git", "commit", "-m", message, "--", *paths], cwd=HERE).returncode == 0:
+        if git("add", "--", *paths) and git("commit", "-m", message, "--", *paths):
             return
         time.sleep(5 * (attempt + 1))
     raise RuntimeError(f"could not commit {paths}")
@@ -192,8 +198,9 @@ def regenerate(args: argparse.Namespace) -> None:
         print(f"{piece_name(index)}: {len(prompts)} prompts in {cost['wall_seconds'] / 60:.1f} min "
               f"({cost['cpu_seconds'] / 3600:.2f} CPU-hours) -> {paths[0]}", flush=True)  # fmt: skip
         if args.commit:
-            git_commit(paths, f"SmolLM2-135M recipe: regenerated {piece_name(index)} (prompts {index * PIECE_SIZE}"
-                              f"-{index * PIECE_SIZE + len(prompts) - 1}), {cost['cpu_seconds'] / 3600:.2f} CPU-hours")
+            first, last = index * PIECE_SIZE, index * PIECE_SIZE + len(prompts) - 1
+            message = f"SmolLM2-135M recipe: regenerated {piece_name(index)} (prompts {first}-{last})"
+            git_commit(paths, f"{message}, {cost['cpu_seconds'] / 3600:.2f} CPU-hours")
 
 
 def build(args: argparse.Namespace) -> None:
