@@ -195,6 +195,28 @@ def check_checkpoint_folder(folder: str) -> str:
     return checkpoint_format
 
 
+def check_draft_folder(folder: str, flag: str = "") -> None:
+    """Raise `FileNotFoundError` naming `folder` (and the `flag` that gave it) unless it holds a draft's config.
+
+    The commands read drafts from local folders: a mistyped path fails here at once, not as a Hub download that
+    times out.
+    """
+    if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        what = "no such folder" if not os.path.isdir(folder) else f"no {CONFIG_NAME} in it"
+        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{folder}: {what}, so it is not a draft folder.")
+
+
+def draft_config(folder: str) -> tuple[DominoConfig, bool]:
+    """The draft's config, from our own `config.json` or a published Domino / DFlash one, and whether it is published
+    (the SGLang layout `domino-spec export` writes)."""
+    check_draft_folder(folder)
+    config_path = os.path.join(folder, CONFIG_NAME)
+    config = read_config_dict(config_path)
+    if detect_format(config, config_path) == NATIVE:
+        return DominoConfig.from_pretrained(folder), False
+    return DominoConfig(**config_fields_from_published(config, config_path)), True
+
+
 def needs_conversion(path: str, **kwargs) -> bool:
     """Whether the checkpoint at `path` is in another layout than `save_pretrained` writes today: a published Domino
     or DFlash one, or our own older one (the head's weights at the top level)."""

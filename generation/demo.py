@@ -1,12 +1,15 @@
-"""`domino-spec demo`: stream a chat answer with speculative decoding, then report acceptance and speedup."""
+"""`domino-spec demo`: stream a chat answer with speculative decoding, then report acceptance and speedup.
 
+    domino-spec demo [--question TEXT] [--max-new-tokens N] [--tiny]
+"""
+
+import argparse
 import os
 import time
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, TextStreamer
 
-from ..drafting import measure_draft_costs
 from ..modeling_domino import DominoDraftModel
 from .cpu import optimize_for_cpu
 from .engine import speculative_generate
@@ -32,9 +35,6 @@ def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, m
     if target.device.type == "cpu":
         stage("timing three layouts of every weight for multi-token passes on this CPU (optimize_for_cpu)")
         optimize_for_cpu(target, draft)
-    if draft.drafting_options.cost_aware(target.device):
-        stage("measuring what verifying 0 to all drafts of a block costs here (the cost-aware draft length)")
-        measure_draft_costs(target, draft)
     stage("warming up speculative and plain decoding (untimed)")
     for warmup_draft in (draft, None):  # untimed: each path's first-call costs (its own shapes) out of the timings
         speculative_generate(target, warmup_draft, input_ids, max_new_tokens=8)
@@ -83,3 +83,17 @@ def run_tiny_demo(max_new_tokens: int = 64, seed: int = 0) -> None:
     print(f"plain {plain_time:.2f}s, Domino {speculative_time:.2f}s (an untrained draft accepts little)")
     if not same:
         raise SystemExit("speculative output differs from plain decoding")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="domino-spec demo", description="Stream a chat answer from SmolLM2-135M with the shipped Domino draft."
+    )
+    parser.add_argument("--question", default=None, help="the user turn (default: a GSM8K-style question)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--tiny", action="store_true", help="random tiny models instead: needs no assets")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        run_tiny_demo()
+    else:
+        run_demo(question=args.question or DEFAULT_QUESTION, max_new_tokens=args.max_new_tokens)

@@ -4,7 +4,8 @@ import socket
 import sys
 
 import pytest
-
+from domino_spec import cli
+from domino_spec.generation import bench_command
 from domino_spec.generation.quality import (
     ALLOW_CODE_EVAL_ENV,
     extract_code,
@@ -13,7 +14,6 @@ from domino_spec.generation.quality import (
     score_outputs,
     score_report,
 )
-from domino_spec import cli
 
 # A HumanEval-style problem, written here so the tests need no dataset package.
 PROMPT = """from typing import List
@@ -146,7 +146,7 @@ def test_code_execution_needs_an_explicit_opt_in(monkeypatch):
 
 def test_bench_quality_refuses_humaneval_before_loading_any_model(monkeypatch, capsys):
     monkeypatch.delenv(ALLOW_CODE_EVAL_ENV, raising=False)
-    monkeypatch.setattr(cli, "load_target", lambda name: pytest.fail("bench loaded a model before refusing"))
+    monkeypatch.setattr(bench_command, "load_target", lambda name: pytest.fail("bench loaded a model before refusing"))
     monkeypatch.setattr(sys, "argv", ["domino-spec", "bench", "--eval-sets", "gsm-symbolic,humaneval", "--quality"])
     with pytest.raises(SystemExit) as stopped:
         cli.run()

@@ -21,7 +21,6 @@ from packaging import version
 from transformers import AutoModelForCausalLM
 
 from domino_spec import DominoDraftModel, DraftingOptions
-from domino_spec.cli import parse_train_arguments
 from domino_spec.generation.engine import speculative_generate
 from domino_spec.targets import prompt_token_ids
 from domino_spec.training.collator import DominoDataCollator, sample_anchors
@@ -35,6 +34,7 @@ from domino_spec.training.loss import (
     domino_loss,
     soft_cross_entropy,
 )
+from domino_spec.training.train import parse_train_arguments
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
 
 DOMINO_SPEC = shutil.which("domino-spec")
@@ -642,7 +642,7 @@ def test_train_arguments_from_yaml_refuse_unknown_keys_and_take_the_output_alias
 
 
 def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_fp32_weights(tmp_path):
-    from domino_spec.cli import DraftArguments, build_draft
+    from domino_spec.training.train import DraftArguments, build_draft
 
     target = tiny_target("llama")
     tiny_draft(target, block_size=4).to(torch.bfloat16).save_pretrained(tmp_path / "draft")
@@ -655,9 +655,9 @@ def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_f
 
 
 def test_a_head_less_draft_trained_with_shift_label_false_is_servable_by_sglang(tmp_path):
-    from domino_spec.cli import build_draft
     from domino_spec.targets import load_target
     from domino_spec.training.export import sglang_problems
+    from domino_spec.training.train import build_draft
 
     argv = ["--target", "t", "--data", "d", "--use_domino_head", "false", "--draft_layers", "1"]
     draft_args, _ = parse_train_arguments(argv)

@@ -37,8 +37,8 @@ class Prompt:
 
 def read_sharegpt(path: str) -> Iterator[dict]:
     """Records of a ShareGPT JSON array; a truncated file yields every complete record before the cut."""
-    with open(path, encoding="utf-8") as file:
-        text = file.read()
+    with open(path, "rb") as file:
+        text = _utf8_text(file.read(), path)
     if "[" not in text:
         raise ValueError(f"{path} holds no JSON array: a .json prompt file is a ShareGPT array, [{{...}}, ...].")
     decoder = json.JSONDecoder()
@@ -133,10 +133,22 @@ def _messages_key(messages: list[dict]) -> str:
 
 def _read_jsonl(path: str) -> Iterator[dict]:
     """The records of a JSON Lines file, one object per non-blank line."""
-    with open(path, encoding="utf-8") as file:
+    with open(path, "rb") as file:
         for line_number, line in enumerate(file, start=1):
             if line.strip():
-                yield _json_record(line, path, line_number)
+                yield _json_record(_utf8_text(line, path, line_number), path, line_number)
+
+
+def _utf8_text(data: bytes, path: str, first_line: int = 1) -> str:
+    """`data`, the text of `path` from line `first_line` on, decoded as UTF-8; `ValueError` naming the file, the line
+    and the byte where it is not UTF-8 (the codec alone names neither the file nor the fix)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = first_line + data.count(b"\n", 0, error.start)
+        converted = f"utf8{os.path.splitext(path)[1]}"
+        raise ValueError(f"{path}, line {line}: not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as "
+                         f"UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > {converted}`.") from None  # fmt: skip
 
 
 def _json_record(line: str | bytes, path: str, line_number: int) -> dict:

@@ -20,7 +20,8 @@ from transformers.dynamic_module_utils import get_relative_import_files
 
 from .. import modeling_domino, published_format
 from ..modeling_domino import DominoDraftModel
-from .model_card import check_draft_folder, write_model_card
+from ..published_format import check_draft_folder
+from .model_card import write_model_card
 
 # Files of the source folder the model card reads; copied so `domino-spec card OUT` finds them too.
 CARD_INPUTS = ("training_summary.json", "bench_results.json")

@@ -15,8 +15,8 @@ import shutil
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
-from .. import published_format
 from ..configuration_domino import DominoConfig
+from ..published_format import draft_config
 
 CARD_NAME = "README.md"
 TRAINING_SUMMARY = "training_summary.json"
@@ -103,28 +103,6 @@ def training_details(folder: str) -> dict | None:
     if logged:
         summary["last_logged"] = {key: logged[-1][key] for key in LOGGED_METRICS if key in logged[-1]}
     return summary
-
-
-def check_draft_folder(folder: str, flag: str = "") -> None:
-    """Raise `FileNotFoundError` naming `folder` (and the `flag` that gave it) unless it holds a draft's config.
-
-    The commands read drafts from local folders: a mistyped path fails here at once, not as a Hub download that
-    times out.
-    """
-    if not os.path.isfile(os.path.join(folder, published_format.CONFIG_NAME)):
-        what = "no such folder" if not os.path.isdir(folder) else f"no {published_format.CONFIG_NAME} in it"
-        raise FileNotFoundError(f"{flag + ' ' if flag else ''}{folder}: {what}, so it is not a draft folder.")
-
-
-def draft_config(folder: str) -> tuple[DominoConfig, bool]:
-    """The draft's config, from our own `config.json` or a published Domino / DFlash one, and whether it is published
-    (the SGLang layout `domino-spec export` writes)."""
-    check_draft_folder(folder)
-    config_path = os.path.join(folder, published_format.CONFIG_NAME)
-    config = published_format.read_config_dict(config_path)
-    if published_format.detect_format(config, config_path) == published_format.NATIVE:
-        return DominoConfig.from_pretrained(folder), False
-    return DominoConfig(**published_format.config_fields_from_published(config, config_path)), True
 
 
 def hub_model_id(name: str | None) -> str | None:

@@ -1,0 +1,30 @@
+"""`domino-spec cache-features`: compute the target features of a training set once, for `train --features DIR`.
+
+    domino-spec cache-features --target DIR --data FILE --output DIR [train's draft-shape flags]
+
+Takes the same flags and `--config` as `train` (the draft's tapped layers decide what is stored); `--output` is the
+store's folder. Rerunning resumes.
+"""
+
+from ..configuration_domino import DominoConfig
+from ..modeling_domino import DominoDraftModel
+from .features import FeatureStore
+from .train import fresh_draft_shape, load_target_and_data, parse_train_arguments
+
+
+def main(argv: list[str]) -> None:
+    draft_args, training_args = parse_train_arguments(
+        argv, prog="domino-spec cache-features", description=(
+            "Compute the target features of a training set once, for `train --features DIR`; takes train's flags "
+            "(the draft's shape decides the tapped layers), --output is the store's folder; rerun to resume."
+        )
+    )  # fmt: skip
+    target, tokenizer, dataset, _ = load_target_and_data(draft_args)
+    if draft_args.init_from:
+        layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids
+    else:  # the config alone: no draft weights to build
+        shape = fresh_draft_shape(draft_args, target)
+        layer_ids = DominoDraftModel.config_for_target(target, tokenizer=tokenizer, **shape).target_layer_ids
+    store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir, training_args.soft_targets)
+    soft_targets = f", soft targets of {store.top_k} tokens" if store.top_k else ""
+    print(f"features of {len(store)} examples (target layers {layer_ids}{soft_targets}) in {training_args.output_dir}")
