@@ -39,10 +39,10 @@ import torch
 import transformers
 
 from domino_spec import DominoDraftModel, DraftingOptions
-from domino_spec.cli import load_checked_data, parse_train_arguments
 from domino_spec.generation import speculative_generate
 from domino_spec.generation.eval_sets import EVAL_SETS, eval_prompts
 from domino_spec.targets import eos_token_ids, load_target, pad_token_id, prompt_token_ids
+from domino_spec.training.train import load_checked_data, parse_train_arguments
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.trainer import DominoTrainer
 
