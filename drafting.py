@@ -9,6 +9,8 @@ rate instead: whether draft i is verified then depends on the confidences of dra
 distributions the draft samples from (which depend on the drafts before i, never on draft i itself), a stopping rule
 under which exact speculative sampling stays exact. A round drafts at all only when rounds like the recent ones beat
 a plain decode step (`CostAwareDrafting`): it would pay for the drafting round even if it then verified no draft.
+The costs are learned from the process's own rounds as it decodes (`CostModel`), starting from a prior: no call
+measures anything up front.
 Where the context's last tokens occurred before, the tokens that followed them there cost no drafting at all
 (`prompt_lookup`); a round verifies them instead of drafts where the run's earlier such rounds say that pays more.
 
@@ -25,7 +27,6 @@ import torch
 
 from .cache_domino import DominoContextCache
 from .head_step_triton import kernel_runs_on, triton_available
-from .transformers_compat import cache_keyword, new_dynamic_cache
 
 DRAFT_LENGTHS = ("auto", "cost", "full")  # auto: cost-aware on CPU, the whole block elsewhere
 
@@ -60,7 +61,7 @@ class DraftingOptions:
     gate_table_max_bytes: int = 256 * 2**20  # precompute every draft token's GRU input gates when at most this big
     draft_length: str = "auto"  # "cost": verify as many drafts as pay (`choose_draft_length`); "full": all of them;
     # "auto": "cost" on CPU, "full" on accelerators, where a verify pass costs about the same for any block
-    draft_costs: DraftCosts | None = None  # the costs "cost" weighs; None: measured once per process, target, draft
+    draft_costs: DraftCosts | None = None  # the costs "cost" weighs; None: learned from the rounds (`CostModel`)
     prompt_lookup: int = 3  # with a cost-aware length: rounds whose last tokens (up to this many) occurred before
     # verify what followed them there instead of drafting, where that pays (`prompt_lookup`); 0: off
 
@@ -89,6 +90,40 @@ class DraftingOptions:
 
     def cost_aware(self, device: torch.device) -> bool:
         return self.draft_length == "cost" or (self.draft_length == "auto" and device.type == "cpu")
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """How sampled drafting draws each draft: from the draft's own logits over its draft vocabulary, with temperature,
+    top-k and top-p applied there (the target's logits processors apply to the target's distribution only). Any
+    draft distribution keeps speculative sampling exact as long as the logits it returns are the ones it drew from,
+    so these only decide how often drafts are accepted."""
+
+    temperature: float = 1.0
+    top_k: int | None = None  # None or 0: off
+    top_p: float | None = None  # None or 1: off
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature!r} is invalid: sampling needs a temperature > 0.")
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` `[M, V]` with temperature, top-k and top-p applied: -inf outside what may be drawn."""
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:  # None or 0: no top-k
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            outside = probs.cumsum(-1) - probs >= self.top_p  # the likelier tokens already hold top_p
+            logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+        return logits
+
+    def draw(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices `[M]` drawn from softmax of the warped `logits` `[M, V]`, and those warped logits."""
+        warped = self.warp(logits.float())
+        return torch.multinomial(warped.softmax(-1), 1, generator=generator).squeeze(-1), warped
 
 
 def expected_rates(confidence: torch.Tensor, costs: DraftCosts) -> list[float]:
@@ -142,53 +177,143 @@ def certain_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits.scatter_(-1, tokens[..., None], 0.0)
 
 
+# Until a run has timed them, a verify pass over k drafts is taken to cost (1 + k / 10) decode steps and a drafting
+# round a quarter of one: about this CPU's curve for a small target (BENCHMARKS.md), and optimistic enough that a run
+# tries drafting and so times what it really costs.
+PRIOR_VERIFY_STEPS_PER_DRAFT = 0.1
+PRIOR_DRAFT_STEPS = 0.25
+NEW_TIMING_WEIGHT = 0.3  # each timing's weight in the running estimate: recent rounds count most (machine load moves)
+
+
+class CostModel:
+    """What a round costs at one batch size, learned from a process's own verify passes and drafting rounds, so no
+    call pays an up-front measurement: a running average of the timings of each draft count, and where a count was
+    never timed the prior shape (`PRIOR_VERIFY_STEPS_PER_DRAFT`) scaled to the nearest timed count. Every decision
+    weighs ratios of costs, so before any timing the prior alone decides."""
+
+    def __init__(self, num_drafts: int):
+        self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
+        self.draft_seconds: float | None = None
+
+    def observe_verify(self, num_drafts: int, seconds: float) -> None:
+        self.verify_seconds[num_drafts] = _average(self.verify_seconds[num_drafts], seconds)
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_seconds = _average(self.draft_seconds, seconds)
+
+    @property
+    def knows_plain_step(self) -> bool:
+        """Whether a plain decode step was timed: the cost every alternative is weighed against."""
+        return self.verify_seconds[0] is not None
+
+    def costs(self) -> DraftCosts:
+        timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
+        verify = []
+        for k, seconds in enumerate(self.verify_seconds):
+            if seconds is None:
+                nearest = min(timed, key=lambda j: (abs(j - k), j), default=None)
+                scale = 1.0 if nearest is None else self.verify_seconds[nearest] / _prior_steps(nearest)
+                seconds = scale * _prior_steps(k)
+            verify.append(seconds)
+        draft = self.draft_seconds if self.draft_seconds is not None else PRIOR_DRAFT_STEPS * verify[0]
+        return DraftCosts(tuple(verify), draft)
+
+
+def _prior_steps(num_drafts: int) -> float:
+    return 1.0 + PRIOR_VERIFY_STEPS_PER_DRAFT * num_drafts
+
+
+def _average(previous: float | None, seconds: float) -> float:
+    return seconds if previous is None else (1 - NEW_TIMING_WEIGHT) * previous + NEW_TIMING_WEIGHT * seconds
+
+
+class FixedCosts(CostModel):
+    """A cost model that keeps the costs it was given (`DraftingOptions.draft_costs`): timings change nothing."""
+
+    def __init__(self, costs: DraftCosts):
+        self._costs = costs
+
+    def observe_verify(self, num_drafts: int, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, seconds: float) -> None:
+        pass
+
+    knows_plain_step = True
+
+    def costs(self) -> DraftCosts:
+        return self._costs
+
+
 class CostAwareDrafting:
     """The cost-aware draft length of one decoding run: before a round, whether to draft it, verify the tokens that
     followed a repeat of the context instead, or decode plainly (`plan`); after drafting, how many of the drafts to
-    verify (`length`); after verifying, how far looked-up tokens were accepted (`accepted`).
+    verify (`length`); after verifying, how far the tokens were accepted and what the pass took (`accepted`).
 
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
     with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
     second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. A
-    looked-up round costs no drafting; how far its tokens are accepted is estimated per matched n-gram size and
-    position from the run's earlier looked-up rounds. Every decision depends on earlier rounds, the committed tokens
-    and the distributions of the drafts up to the one decided, so sampling stays exact.
+    draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
+    run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far its
+    tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
+    Costs come from `cost_models(batch_size)`, which learn from the timings the run reports. Every decision depends
+    on earlier rounds, the committed tokens and the distributions of the drafts up to the one decided, so sampling
+    stays exact.
     """
 
     MAX_SKIPPED = 16
 
-    def __init__(self, costs: DraftCosts, prompt_lookup: int = 0, do_sample: bool = False):
-        self.costs = costs
+    def __init__(self, costs: DraftCosts | Callable[[int], CostModel], prompt_lookup: int = 0,
+                 do_sample: bool = False):  # fmt: skip
+        if isinstance(costs, DraftCosts):
+            fixed = FixedCosts(costs)
+            self.cost_models: Callable[[int], CostModel] = lambda batch_size: fixed
+        else:
+            self.cost_models = costs
         self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
-        self.expected: torch.Tensor | None = None  # [S]: the recent confidences, per draft position
+        self.expected: torch.Tensor | None = None  # [S]: the recent calibrated confidences, per draft position
         self.pays, self.skipped, self.wait = True, 0, 1
+        # Drafts accepted, and their predicted confidence summed, over drafts verified with all before them accepted.
+        # Both start at 2: a prior of a calibrated draft.
+        self.hits, self.predicted = 2.0, 2.0
+        self.confidence: torch.Tensor | None = None  # [B, S]: the last drafted round's, until it is verified
         self.max_ngram_size = prompt_lookup
+        num_drafts = len(self.cost_models(1).costs().verify_seconds) - 1
         # Per matched n-gram size and position: looked-up tokens accepted, and verified with all before them accepted.
         # The counts start at one of two, a prior of one half.
-        num_drafts = len(costs.verify_seconds) - 1
         self.lookup_accepted = torch.ones(prompt_lookup, num_drafts, dtype=torch.float64)
         self.lookup_reached = torch.full((prompt_lookup, num_drafts), 2.0, dtype=torch.float64)
         self.looked_up: list[int] = []  # the n-gram size of each row of the last looked-up round, empty after drafting
+
+    @property
+    def calibration(self) -> float:
+        """Accepted drafts per unit of predicted confidence, over the run's verified drafts so far."""
+        return self.hits / self.predicted
 
     def plan(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
         """Before a round, given each row's committed tokens: None to draft it; else the tokens `[B, k]` to verify
         instead, k <= `limit`: those that followed an earlier occurrence of each row's last tokens
         (`prompt_lookup`) where verifying them is expected to commit tokens faster than drafting or a plain step,
-        or none (k = 0) for a plain step."""
-        looked_up = self._look_up(sequences, limit)
+        or none (k = 0) for a plain step, which the first round at a batch size is: it times the step that every
+        other choice is weighed against."""
+        cost_model = self.cost_models(len(sequences))
+        if not cost_model.knows_plain_step:
+            return sequences[0].new_zeros(len(sequences), 0)
+        costs = cost_model.costs()
+        looked_up = self._look_up(sequences, limit, costs)
         if looked_up is None and (self.pays or self.skipped >= self.wait):
             return None
         self.skipped += 1
         return looked_up if looked_up is not None else sequences[0].new_zeros(len(sequences), 0)
 
-    def _look_up(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
+    def _look_up(self, sequences: list[torch.Tensor], limit: int, costs: DraftCosts) -> torch.Tensor | None:
         self.looked_up = []
         if self.max_ngram_size == 0 or limit == 0:
             return None
         found, lengths = [], []
         for sequence in sequences:
             tokens, size = prompt_lookup(sequence, self.max_ngram_size, limit)
-            length = self._lookup_length(size, tokens.shape[0]) if size else 0
+            length = self._lookup_length(size, tokens.shape[0], costs) if size else 0
             if length == 0:
                 return None
             found.append((tokens, size))
@@ -196,106 +321,160 @@ class CostAwareDrafting:
         self.looked_up = [size for _, size in found]
         return torch.stack([tokens[: min(lengths)] for tokens, _ in found])
 
-    def accepted(self, num_verified: int, num_accepted: list[int]) -> None:
-        """After verifying: how many of the `num_verified` drafts each row accepted (learns from looked-up rounds)."""
-        positions = torch.arange(num_verified)
-        for size, count in zip(self.looked_up, num_accepted):
-            self.lookup_reached[size - 1, :num_verified] += (positions <= count).double()
-            self.lookup_accepted[size - 1, :num_verified] += (positions < count).double()
-        self.looked_up = []
+    def drafted(self, seconds: float, batch_size: int) -> None:
+        """A drafting round of `batch_size` rows took `seconds`."""
+        self.cost_models(batch_size).observe_draft(seconds)
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:
         """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
-        recent = confidence.double().nan_to_num(0.0).mean(0).cpu()  # NaN: a slot that had no finite logit
+        costs = self.cost_models(confidence.shape[0]).costs()
+        self.confidence = confidence.double().nan_to_num(0.0).cpu()  # NaN: a slot that had no finite logit
+        calibrated = (self.confidence * self.calibration).clamp(max=1.0)
+        recent = calibrated.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
-        self.pays = max(expected_rates(self.expected[None], self.costs)) > 1 / self.costs.verify_seconds[0]
+        self.pays = max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self.MAX_SKIPPED)
-        return min(limit, choose_draft_length(confidence, self.costs, self.look_ahead))
+        return min(limit, choose_draft_length(calibrated, costs, self.look_ahead))
 
-    def _lookup_length(self, ngram_size: int, num_tokens: int) -> int:
+    def accepted(self, num_verified: int, num_accepted: list[int], seconds: float | None = None) -> None:
+        """After verifying: how many of the `num_verified` tokens each row accepted, and, if timed, the seconds the
+        verify pass (with acceptance) took."""
+        if seconds is not None:
+            self.cost_models(len(num_accepted)).observe_verify(num_verified, seconds)
+        positions = torch.arange(num_verified)
+        accepted = torch.tensor(num_accepted)[:, None]
+        reached, hit = positions <= accepted, positions < accepted  # [B, k]
+        for size, row_reached, row_hit in zip(self.looked_up, reached, hit):
+            self.lookup_reached[size - 1, :num_verified] += row_reached.double()
+            self.lookup_accepted[size - 1, :num_verified] += row_hit.double()
+        if self.confidence is not None and not self.looked_up:
+            self.predicted += float((self.confidence[:, :num_verified] * reached).sum())
+            self.hits += float(hit.sum())
+        self.looked_up, self.confidence = [], None
+
+    def _lookup_length(self, ngram_size: int, num_tokens: int, costs: DraftCosts) -> int:
         """How many of `num_tokens` looked-up tokens to verify: 0 where a drafting round (if it pays) or a plain step
         is expected to commit tokens faster."""
         rates = self.lookup_accepted[ngram_size - 1, :num_tokens] / self.lookup_reached[ngram_size - 1, :num_tokens]
-        looked_up = expected_rates(rates[None], DraftCosts(self.costs.verify_seconds, 0.0))  # no drafting round
-        best_other = 1 / self.costs.verify_seconds[0]
+        looked_up = expected_rates(rates[None], DraftCosts(costs.verify_seconds, 0.0))  # no drafting round
+        best_other = 1 / costs.verify_seconds[0]
         if self.pays and self.expected is not None:
-            best_other = max(best_other, *expected_rates(self.expected[None], self.costs))
+            best_other = max(best_other, *expected_rates(self.expected[None], costs))
         best = _fastest(looked_up)
         return best if looked_up[best] > best_other else 0
 
 
-def cost_aware_drafting(target, draft, options: DraftingOptions, batch_size: int = 1,
-                        do_sample: bool = False) -> CostAwareDrafting | None:  # fmt: skip
-    """The cost-aware draft length of a run (sampling or not), with the given costs or those measured here; None
-    where `options` verify every draft."""
-    if not options.cost_aware(target.device):
-        return None
-    costs = options.draft_costs or measure_draft_costs(target, draft, options, batch_size)
-    return CostAwareDrafting(costs, options.prompt_lookup, do_sample)
+_learned: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
-_measured: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+def learned_costs(target, draft, options: DraftingOptions | None = None) -> Callable[[int], CostModel]:
+    """The cost models of rounds with `target` and `draft` under `options`, per batch size, learned by every run in
+    this process: a later call starts from what earlier ones timed. Options that only choose what to verify (the
+    draft length, its costs, prompt lookup) share them."""
+    options = options or draft.drafting_options
+    round_options = replace(options, draft_length="auto", draft_costs=None, prompt_lookup=0)  # what a round runs
+    per_draft = _learned.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
+    models = per_draft.setdefault((round_options, str(target.device), target.dtype), {})
+    num_drafts = draft.config.num_draft_tokens
+
+    def cost_model(batch_size: int) -> CostModel:
+        return models.setdefault(batch_size, CostModel(num_drafts))
+
+    return cost_model
 
 
 def forget_draft_costs(model: torch.nn.Module) -> None:
-    """Drop the costs measured with `model`, a target or a draft (after it changed: `optimize_for_cpu`, compiled
+    """Drop the costs learned with `model`, a target or a draft (after it changed: `optimize_for_cpu`, compiled
     drafting, another device)."""
-    _measured.pop(model, None)
-    for drafts in _measured.values():
+    _learned.pop(model, None)
+    for drafts in _learned.values():
         drafts.pop(model, None)
 
 
-@torch.no_grad()
-def measure_draft_costs(
-    target, draft, options: DraftingOptions | None = None, batch_size: int = 1, context_length: int = 64,
-    repeats: int = 7,
-) -> DraftCosts:  # fmt: skip
-    """Time a verify pass over the anchor and k drafts for k = 0..S, and a drafting round under `options`, for
-    `batch_size` rows after a random context of `context_length` tokens; the fastest of `repeats` runs each (on a
-    shared machine the others carry its noise). Measured once per target, draft, options and batch size in a process
-    (a few forward passes; `forget_draft_costs` measures again); options that only choose what to verify (the draft
-    length, its costs, prompt lookup) share one measurement."""
-    options = options or draft.drafting_options
-    known = _measured.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
-    round_options = replace(options, draft_length="auto", draft_costs=None, prompt_lookup=0)  # what a round runs
-    key = (round_options, batch_size, str(target.device), target.dtype)
-    if key in known:
-        return known[key]
-    device, num_drafts = target.device, draft.config.num_draft_tokens
-    context = torch.randint(0, draft.config.vocab_size, (batch_size, context_length + num_drafts + 1),
-                            generator=torch.Generator().manual_seed(0)).to(device)  # fmt: skip
-    cache, keyword = new_dynamic_cache(target.config), cache_keyword(target)
-    prefill = target(context[:, :context_length], output_hidden_states=True, use_cache=True, **{keyword: cache})
+def cost_aware_drafting(target, draft, options: DraftingOptions, do_sample: bool = False) -> CostAwareDrafting | None:
+    """The cost-aware draft length of a run (sampling or not), with the given costs or those this process learns;
+    None where `options` verify every draft."""
+    if not options.cost_aware(target.device):
+        return None
+    costs = options.draft_costs or learned_costs(target, draft, options)
+    return CostAwareDrafting(costs, options.prompt_lookup, do_sample)
 
-    def seconds(run, undo) -> float:
-        times = []
-        for _ in range(repeats + 1):  # the first run is untimed: first-call allocations
-            _synchronize(device)
-            start = time.perf_counter()
-            run()
-            _synchronize(device)
-            times.append(time.perf_counter() - start)
-            undo()
-        return min(times[1:])
 
-    verify = []
-    for count in range(num_drafts + 1):
-        block = context[:, context_length : context_length + count + 1]
-        verify.append(seconds(lambda: target(block, output_hidden_states=True, use_cache=True, **{keyword: cache}),
-                              lambda: cache.crop(-block.shape[1])))  # fmt: skip
-    draft_cache = DominoContextCache()
-    features = draft.fuse_target_hidden_states(prefill.hidden_states)
-    positions = torch.arange(context_length, device=device).expand(batch_size, -1)
-    draft.extend_context(draft_cache, features[:, :-1], positions[:, :-1])
-    anchor, anchor_position = context[:, context_length - 1], positions[:, -1]
-    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+class DeviceClock:
+    """Wall-clock seconds that wait for the accelerator, so timings are honest on CUDA."""
 
-    def draft_round():
-        draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, features[:, -1:],
-                          positions[:, -1:], options=options)  # fmt: skip
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
 
-    known[key] = DraftCosts(tuple(verify), seconds(draft_round, lambda: draft_cache.crop(-1)))
-    return known[key]
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+@dataclass
+class DraftRound:
+    """What a round verifies after each row's anchor: `tokens` `[B, k]`, the logits `[B, k, V]` they were drawn from
+    (None where no draft was drawn and the decoding is greedy), and whether they followed a repeat of the context."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor | None
+    looked_up: bool = False
+
+
+def draft_round(
+    draft,
+    drafting: CostAwareDrafting | None,
+    past_key_values: DominoContextCache,
+    context: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    anchor_ids: torch.LongTensor,
+    anchor_position_ids: torch.LongTensor,
+    sequences: Callable[[], list[torch.Tensor]],
+    limit: int,
+    embed_tokens: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    do_sample: bool = False,
+    sampling: DraftSampling | None = None,
+    logits_processor: Callable | None = None,
+    prefix_ids: torch.LongTensor | None = None,
+    generator: torch.Generator | None = None,
+    options: DraftingOptions | None = None,
+) -> DraftRound:
+    """One round's drafts, for the native engine and `generate(assistant_model=draft)` alike: plan the round (draft,
+    verify looked-up tokens, or a plain step: `CostAwareDrafting.plan`), read the new `context` (target features
+    `[B, T_new, F]`, their positions and mask) into the draft's cache, draft at most `limit` tokens after each row's
+    anchor, and keep as many as pay (`CostAwareDrafting.length`). `sequences()` gives each row's committed tokens,
+    for prompt lookup. The drafting arguments are `DominoDraftModel.draft_block`'s."""
+    planned = drafting.plan(sequences(), limit) if drafting is not None and limit > 0 else None
+    if limit == 0 or planned is not None:  # no drafting this round: the draft only reads the context
+        draft.extend_context(past_key_values, *context)
+        if planned is None or planned.shape[1] == 0:
+            return DraftRound(anchor_ids.new_zeros(anchor_ids.shape[0], 0), None)
+        vocab_size = lm_head.weight.shape[0]
+        return DraftRound(planned, certain_logits(planned, vocab_size) if do_sample else None, looked_up=True)
+    clock = DeviceClock(anchor_ids.device)
+    start = clock()
+    block = draft.draft_block(
+        anchor_ids=anchor_ids,
+        anchor_position_ids=anchor_position_ids,
+        past_key_values=past_key_values,
+        embed_tokens=embed_tokens,
+        lm_head=lm_head,
+        target_hidden=context[0],
+        context_position_ids=context[1],
+        context_mask=context[2],
+        do_sample=do_sample,
+        sampling=sampling,
+        logits_processor=logits_processor,
+        prefix_ids=prefix_ids,
+        generator=generator,
+        options=options,
+    )
+    num_drafts = limit
+    if drafting is not None:
+        drafting.drafted(clock() - start, anchor_ids.shape[0])
+        num_drafts = drafting.length(block.confidence, limit)
+    return DraftRound(block.tokens[:, :num_drafts], block.logits[:, :num_drafts])
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -332,11 +511,7 @@ class CompiledDrafting:
         return tuple(output.clone() for output in outputs)  # the next replay overwrites a CUDA graph's outputs
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "CostAwareDrafting", "DraftCosts", "DraftingOptions",
-           "certain_logits", "choose_draft_length", "cost_aware_drafting", "expected_rates", "forget_draft_costs",
-           "measure_draft_costs", "prompt_lookup"]  # fmt: skip
+__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "CostAwareDrafting", "CostModel", "DeviceClock",
+           "DraftCosts", "DraftRound", "DraftSampling", "DraftingOptions", "certain_logits", "choose_draft_length",
+           "cost_aware_drafting", "draft_round", "expected_rates", "forget_draft_costs", "learned_costs",
+           "prompt_lookup"]  # fmt: skip

@@ -23,7 +23,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_domino import DominoContextCache
 from .configuration_domino import check_input_ids
-from .drafting import certain_logits, cost_aware_drafting
+from .drafting import DeviceClock, DraftSampling, certain_logits, cost_aware_drafting, draft_round
 from .transformers_compat import croppable_cache, passed_cache
 
 
@@ -87,14 +87,23 @@ class DominoCandidateGenerator(CandidateGenerator):
         eos = generation_config.eos_token_id
         self.eos_token_ids = set([eos] if isinstance(eos, int) else (eos or []))
         self.stop_strings = None
+        # Sampled drafts are drawn from the draft's own distribution with the run's temperature, top-k and top-p
+        # (`DraftSampling`): the target's processors shape p only, and speculative sampling stays exact for any q.
+        self.sampling = None
+        if self.do_sample:
+            config = generation_config
+            self.sampling = DraftSampling(config.temperature or 1.0, config.top_k, config.top_p)
         if generation_config.stop_strings:
             if tokenizer is None:
                 raise ValueError("stop_strings need the tokenizer: call generate(..., tokenizer=tokenizer).")
             self.stop_strings = StopStringCriteria(tokenizer, generation_config.stop_strings)
-            if self.do_sample:
+            if self.do_sample:  # each slot then needs the processors with the drafts so far (`StopStringDraftMask`)
                 mask = StopStringDraftMask(self.stop_strings)
                 self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
+                self.sampling = None
         self.drafting = cost_aware_drafting(target, draft, self.options, do_sample=self.do_sample)
+        self.clock = DeviceClock(draft.device)
+        self.verify_start: float | None = None  # when the last candidates went to the target
 
     def get_candidates(
         self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
@@ -120,37 +129,33 @@ class DominoCandidateGenerator(CandidateGenerator):
         else:
             positions = torch.arange(input_ids.shape[1], device=device)[None]
             context_mask = None
-        planned = self.drafting.plan([input_ids[0]], num_candidates) if self.drafting is not None else None
-        if planned is not None:  # a looked-up or a plain round: the draft only reads the context
-            self.draft.extend_context(self.cache, target_hidden.to(device), positions[:, cached:-1], context_mask)
-            if planned.shape[1] == 0:
-                return input_ids, None
-            return self._candidates(input_ids, planned, certain_logits(planned, self.lm_head.weight.shape[0]),
-                                    planned.shape[1])  # fmt: skip
-        draft = self.draft.draft_block(
+        drafted = draft_round(
+            self.draft,
+            self.drafting,
+            self.cache,
+            (target_hidden.to(device), positions[:, cached:-1], context_mask),
             anchor_ids=input_ids[:, -1].to(device),
             anchor_position_ids=positions[:, -1],
-            past_key_values=self.cache,
+            sequences=lambda: [input_ids[0]],
+            limit=num_candidates,
             embed_tokens=self.embed_tokens,
             lm_head=self.lm_head,
-            target_hidden=target_hidden.to(device),
-            context_position_ids=positions[:, cached:-1],
-            context_mask=context_mask,
             do_sample=self.do_sample,
+            sampling=self.sampling,
             logits_processor=self.logits_processor,
             prefix_ids=input_ids.to(device),
             options=self.options,
         )
-        if self.drafting is not None:
-            num_candidates = self.drafting.length(draft.confidence, num_candidates)
-        return self._candidates(input_ids, draft.tokens, draft.logits, num_candidates)
+        candidates = self._candidates(input_ids, drafted.tokens, drafted.logits, drafted.tokens.shape[1])
+        self.verify_start = self.clock()
+        return candidates
 
     def _candidates(self, input_ids, tokens, logits, num_candidates: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt with the first `num_candidates` of `tokens` `[1, S]` appended, cut at a stop, and their logits."""
         num_candidates = self._cut_at_stop(input_ids, tokens, num_candidates)
-        if num_candidates == 0:
+        if num_candidates == 0 or logits is None:
             # No candidates: return no logits either, transformers' speculative sampling cannot take an empty block.
-            return input_ids, None
+            return torch.cat([input_ids, tokens[:, :num_candidates].to(input_ids.device)], dim=-1), None
         tokens = tokens[:, :num_candidates].to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=-1), logits[:, :num_candidates].to(input_ids.device)
 
@@ -179,7 +184,9 @@ class DominoCandidateGenerator(CandidateGenerator):
         """The draft length follows the draft's confidence; looked-up rounds learn how far their tokens match.
         `scores` `[1, candidates + 1, V]` are the target's logits of the round."""
         if self.drafting is not None:
-            self.drafting.accepted(scores.shape[1] - 1, [int(num_matches)])
+            seconds = self.clock() - self.verify_start if self.verify_start is not None else None
+            self.drafting.accepted(scores.shape[1] - 1, [int(num_matches)], seconds)
+        self.verify_start = None
 
     def _cut_at_stop(self, input_ids: torch.Tensor, tokens: torch.Tensor, num_candidates: int) -> int:
         """Stop proposing after an EOS draft, and before a draft that would complete a stop string.

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_domino import DominoConfig
-from .drafting import DraftingOptions
+from .drafting import DraftingOptions, DraftSampling
 from .head_step_triton import head_step
 
 # Shapes: M rows (sequences, or blocks in training), S slots (drafts per block), V draft vocabulary, D hidden,
@@ -193,23 +193,27 @@ def slot_loop(
     first_corrected: int,
     choose: Chooser | None = None,
     vocab_size: int | None = None,
+    sampling: DraftSampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sequential part of a drafting round over the S slots of `[M, S, V]` base logits.
 
     Per slot: one matmul of the GRU state (its recurrent gates and its half of W_down, fused), the rank-R residual
     added to the base logits (over the slot's candidate pool only, when `block` has one), a pick, and the GRU step on
-    the picked token. Greedy (`choose` None) picks the argmax with no Python callback, which makes the loop
-    compilable (unrolled); a `choose` sees each slot's logits over the target's `vocab_size` tokens.
+    the picked token. Greedy (`choose` and `sampling` None) picks the argmax with no Python callback, which makes the
+    loop compilable (unrolled); `sampling` draws from the slot's logits over the draft vocabulary, as cheap as
+    greedy; a `choose` sees each slot's logits over the target's `vocab_size` tokens.
 
-    Returns token ids `[M, S]`, the logits each was picked from (`[M, S, vocab_size]`; greedy: over the draft
-    vocabulary, -inf outside a pool) and each pick's confidence `[M, S]` (`pick_confidence`).
+    Returns token ids `[M, S]`, the logits each was picked from (`[M, S, vocab_size]` with a `choose`; else over the
+    draft vocabulary, -inf outside a pool) and each pick's confidence `[M, S]` (`pick_confidence`).
     """
     num_slots, state_gates_width = base_logits.shape[1], weights.weight_ih.shape[0]  # 3G
     state, pooled = block.state, block.pool_ids is not None
-    if pooled and choose is not None:
+    if pooled and (choose is not None or sampling is not None):
         raise ValueError(
-            "A candidate pool is for greedy drafting: a chooser (logits processor, sampler) may mask all of it. Build "
-            "the block with pool_size=0 for processed or sampled drafting."
+            "A candidate pool is for greedy drafting: a chooser (logits processor, sampler) may mask all of it, and "
+            "sampling draws from the whole draft vocabulary. Build the block with pool_size=0 for processed or "
+            "sampled drafting."
         )
     tokens, logits = [], []
     for slot in range(num_slots):
@@ -223,7 +227,11 @@ def slot_loop(
                 slot_logits = block.pool_base[:, slot] + (block.pool_up[:, slot] @ activation[:, :, None]).squeeze(-1)
             else:
                 slot_logits = torch.addmm(slot_logits, activation, weights.up_columns)
-        if choose is None:
+        if sampling is not None:
+            index, slot_logits = sampling.draw(slot_logits, generator)
+            gates = input_gates(weights, index) if slot + 1 < num_slots else None
+            token = token_ids(index, weights.vocab)
+        elif choose is None:
             index = slot_logits.argmax(dim=-1)  # within the pool for a corrected pooled slot
             if pooled and slot >= first_corrected:
                 index = block.pool_ids[:, slot].gather(-1, index[:, None]).squeeze(-1)
@@ -298,9 +306,18 @@ def greedy_head(
 
 
 def base_drafts(
-    base_logits: torch.Tensor, vocab: torch.Tensor | None, choose: Chooser | None = None, vocab_size: int | None = None
+    base_logits: torch.Tensor,
+    vocab: torch.Tensor | None,
+    choose: Chooser | None = None,
+    vocab_size: int | None = None,
+    sampling: DraftSampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`slot_loop`'s result for a draft without a head: each slot picks from its base logits alone."""
+    if sampling is not None:
+        indices, logits = sampling.draw(base_logits.flatten(0, 1), generator)
+        logits = logits.view_as(base_logits)
+        return token_ids(indices.view(base_logits.shape[:2]), vocab), logits, pick_confidence(logits)
     if choose is None:
         return token_ids(base_logits.argmax(-1), vocab), base_logits, pick_confidence(base_logits)
     picks = [choose(slot, to_target_vocabulary(base_logits[:, slot], vocab, vocab_size))
@@ -396,18 +413,21 @@ class DominoHead(nn.Module):
         vocab_size: int | None = None,
         whole_vocabulary: bool = False,
         greedy: Callable[..., tuple] = greedy_head,
+        sampling: DraftSampling | None = None,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a block: token ids `[M, S]`, the logits each was picked from and its confidence (`slot_loop`).
 
-        Greedy drafting (`choose` None) follows `options` (a candidate pool, the fused step) and runs `greedy` (the
-        compiled `greedy_head` after `compile_drafting`); a `choose` (processed or sampled drafting), and greedy
-        drafting over the `whole_vocabulary` (the training-time test), score every draft token, since a logits
-        processor may mask every token of a pool.
+        Greedy drafting (no `choose`, no `sampling`) follows `options` (a candidate pool, the fused step) and runs
+        `greedy` (the compiled `greedy_head` after `compile_drafting`); `sampling`, a `choose` (processed drafting),
+        and greedy drafting over the `whole_vocabulary` (the training-time test) score every draft token, since a
+        logits processor may mask every token of a pool and sampling may draw any.
         """
-        if choose is not None or whole_vocabulary:
+        if choose is not None or sampling is not None or whole_vocabulary:
             weights = self.weights(embed_tokens, vocab, base_logits.dtype, options, whole_vocabulary=True)
             block = block_inputs(base_logits, draft_hidden, anchor_embeds, weights)
-            return slot_loop(base_logits, block, weights, self.first_corrected_slot, choose, vocab_size)
+            return slot_loop(base_logits, block, weights, self.first_corrected_slot, choose, vocab_size, sampling,
+                             generator)  # fmt: skip
         options.check_device(base_logits.device)
         weights = self.weights(embed_tokens, vocab, base_logits.dtype, options)
         return greedy(base_logits, draft_hidden, anchor_embeds, weights, self.first_corrected_slot,

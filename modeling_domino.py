@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 
 from .cache_domino import DominoContextCache
 from .configuration_domino import DominoConfig, check_input_ids
-from .drafting import COMPILE_MODES, CompiledDrafting, DraftingOptions
+from .drafting import COMPILE_MODES, CompiledDrafting, DraftingOptions, DraftSampling
 from .generation_domino import DominoCandidateGenerator, candidate_generator
 from .head_domino import (
     Chooser,
@@ -711,6 +711,7 @@ class DominoDraftModel(PreTrainedModel):
         prefix_ids: torch.LongTensor | None = None,
         generator: torch.Generator | None = None,
         options: DraftingOptions | None = None,
+        sampling: DraftSampling | None = None,
     ) -> DominoDraft:
         r"""
         One drafting round: append the new context, run the backbone once over `[anchor, MASK...]`, then the head.
@@ -726,6 +727,9 @@ class DominoDraftModel(PreTrainedModel):
             logits_processor (*optional*): called as `logits_processor(ids, logits)` on each slot's logits, with
                 `ids` = `prefix_ids` followed by the drafts so far (transformers' `LogitsProcessorList` works).
             options (`DraftingOptions`, *optional*): the run-time options; default `self.drafting_options`.
+            sampling (`DraftSampling`, *optional*): sample each draft from its logits over the draft vocabulary with
+                these temperature, top-k and top-p instead (as cheap as greedy drafting; `do_sample` and
+                `logits_processor` are then unused).
         """
         if anchor_ids.ndim != 1 or anchor_position_ids.shape != anchor_ids.shape:
             # The block is built here from one anchor per row; a longer block input would silently misalign.
@@ -744,9 +748,9 @@ class DominoDraftModel(PreTrainedModel):
             )
         block = self.block_logits(anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head)
         choose = None
-        if logits_processor is not None or do_sample:
+        if sampling is None and (logits_processor is not None or do_sample):
             choose = slot_chooser(prefix_ids, logits_processor, do_sample, generator)
-        return self.draft_from_block(block, embed_tokens, choose, options)
+        return self.draft_from_block(block, embed_tokens, choose, options, sampling, generator)
 
     @torch.no_grad()
     def draft_from_block(
@@ -755,21 +759,25 @@ class DominoDraftModel(PreTrainedModel):
         embed_tokens: nn.Module,
         choose: Chooser | None = None,
         options: DraftingOptions | None = None,
+        sampling: DraftSampling | None = None,
+        generator: torch.Generator | None = None,
     ) -> DominoDraft:
         """The rest of a drafting round after `block_logits`: the head's slot loop (compiled after
         `compile_drafting`), or without a head each slot's pick from its base logits. `choose` (processed or sampled
-        drafting, `head_domino.slot_chooser`) picks from each slot's logits over the target's vocabulary; None is
-        greedy."""
+        drafting, `head_domino.slot_chooser`) picks from each slot's logits over the target's vocabulary; `sampling`
+        draws from the draft vocabulary's; neither is greedy."""
         vocab_size = self.config.vocab_size
         if self.head is None:
-            tokens, logits, confidence = base_drafts(block.base_logits, self.draft_vocab, choose, vocab_size)
+            tokens, logits, confidence = base_drafts(block.base_logits, self.draft_vocab, choose, vocab_size, sampling,
+                                                     generator)  # fmt: skip
         else:
             compiled = self.__dict__.get("_compiled_drafting")
             tokens, logits, confidence = self.head.draft(
                 *block, embed_tokens, self.draft_vocab, options or self.drafting_options, choose, vocab_size,
-                greedy=greedy_head if compiled is None else compiled.greedy_head,
+                greedy=greedy_head if compiled is None else compiled.greedy_head, sampling=sampling,
+                generator=generator,
             )  # fmt: skip
-        if choose is None:  # greedy logits are the draft vocabulary's
+        if choose is None:  # greedy and sampled logits are the draft vocabulary's
             logits = to_target_vocabulary(logits, self.draft_vocab, vocab_size)
         return DominoDraft(tokens=tokens, logits=logits, confidence=confidence)
 

@@ -11,7 +11,6 @@ features of the verified slots enter the draft cache at the start of the next ro
 Shapes: B batch (active rows), P prompt, C cache slots, S drafts per block, V vocabulary, F fused target features.
 """
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
 from ..configuration_domino import check_input_ids
-from ..drafting import CostAwareDrafting, DraftingOptions, certain_logits, cost_aware_drafting
+from ..drafting import DeviceClock, DraftingOptions, DraftRound, DraftSampling, cost_aware_drafting, draft_round
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 
@@ -97,18 +96,6 @@ class _Rows:
         return _Rows(*(pick(getattr(self, name)) for name in self.__dataclass_fields__))
 
 
-class DeviceClock:
-    """Wall-clock seconds that wait for the accelerator, so per-phase times are honest on CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
 def _token_ids(value, name: str) -> list[int]:
     if value is None:
         return []
@@ -153,6 +140,7 @@ class _Setup:
     draft: object | None
     warpers: LogitsProcessorList
     do_sample: bool
+    sampling: DraftSampling | None  # how sampled drafts are drawn: the run's temperature, top-k, top-p
     generator: torch.Generator | None
     eos: torch.LongTensor  # [E] stop tokens
     max_new_tokens: int
@@ -273,7 +261,7 @@ def speculative_generate(
     draft_cache = DominoContextCache()
     drafting = None
     if draft is not None:
-        drafting = cost_aware_drafting(target, draft, setup.options, input_ids.shape[0], do_sample)
+        drafting = cost_aware_drafting(target, draft, setup.options, do_sample)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
@@ -284,17 +272,17 @@ def speculative_generate(
 
     while rows.index.numel() > 0:
         budget = max_new_tokens - rows.num_generated  # [B] tokens each row may still commit, >= 1
-        num_drafts = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
+        limit = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
         tick = clock()
-        draft_tokens, draft_logits = _draft(setup, rows, record, draft_cache, num_drafts, drafting)  # [B, S], [B, S, V]
-        num_drafts = draft_tokens.shape[1]
-        looked_up = drafting is not None and bool(drafting.looked_up)
+        drafted = _draft(setup, rows, record, draft_cache, limit, drafting)
+        draft_tokens, num_drafts = drafted.tokens, drafted.tokens.shape[1]  # [B, S]
         tock = clock()
         outputs, verify_positions = _verify(setup, rows, draft_tokens, cache)
-        num_accepted, next_token = _accept(setup, draft_tokens, draft_logits, outputs.logits)
-        record.round(num_accepted, num_drafts, tock - tick, clock() - tock, looked_up)
+        num_accepted, next_token = _accept(setup, draft_tokens, drafted.logits, outputs.logits)
+        verify_seconds = clock() - tock
+        record.round(num_accepted, num_drafts, tock - tick, verify_seconds, drafted.looked_up)
         if drafting is not None:
-            drafting.accepted(num_drafts, num_accepted.tolist())
+            drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds)
 
         # commit: accepted drafts plus the target's token, cut at EOS and at the length budget
         candidates = torch.cat([draft_tokens, next_token[:, None]], dim=-1)  # [B, S + 1]
@@ -332,6 +320,7 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
         draft=draft,
         warpers=build_logits_warpers(do_sample, temperature, top_k, top_p),
         do_sample=do_sample,
+        sampling=DraftSampling(temperature, top_k, top_p) if do_sample else None,
         generator=generator,
         eos=torch.tensor(eos_ids, dtype=torch.long, device=device),
         max_new_tokens=max_new_tokens,
@@ -398,45 +387,30 @@ def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, s
     return rows
 
 
-def _draft(setup: _Setup, rows: _Rows, record: _Record, draft_cache: DominoContextCache, num_drafts: int,
-           drafting: CostAwareDrafting | None):  # fmt: skip
-    """Draft tokens `[B, S]` and the processed logits `[B, S, V]` they were drawn from (`None` without drafts), at
-    most `num_drafts` of them: fewer where the cost-aware draft length says more would not pay, and looked-up tokens
-    instead where those pay more (`CostAwareDrafting.plan`).
-
-    The features of the slots verified last round enter the draft cache first, so both caches stay aligned.
-    """
-    draft = setup.draft
-    if draft is None:
-        return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
-    planned = None  # the tokens to verify instead of drafts (`CostAwareDrafting.plan`)
-    if drafting is not None and num_drafts > 0:
-        planned = drafting.plan([record.tokens(row) for row in rows.index.tolist()], num_drafts)
-    if num_drafts == 0 or planned is not None:  # no drafting this round: keep the draft cache aligned
-        draft.extend_context(draft_cache, rows.features, rows.feature_positions, rows.feature_mask)
-        rows.features = rows.feature_positions = rows.feature_mask = None
-        if planned is not None and planned.shape[1] > 0:
-            vocab_size = setup.target.get_output_embeddings().weight.shape[0]
-            return planned, certain_logits(planned, vocab_size) if setup.do_sample else None
-        return rows.anchor.new_zeros(rows.anchor.shape[0], 0), None
-    block = draft.draft_block(
+def _draft(setup: _Setup, rows: _Rows, record: _Record, draft_cache: DominoContextCache, limit: int,
+           drafting) -> DraftRound:  # fmt: skip
+    """The round's drafts (`drafting.draft_round`): at most `limit`, none for plain decoding. The features of the
+    slots verified last round enter the draft cache first, so both caches stay aligned."""
+    if setup.draft is None:
+        return DraftRound(rows.anchor.new_zeros(rows.anchor.shape[0], 0), None)
+    context = (rows.features, rows.feature_positions, rows.feature_mask)
+    rows.features = rows.feature_positions = rows.feature_mask = None
+    return draft_round(
+        setup.draft,
+        drafting,
+        draft_cache,
+        context,
         anchor_ids=rows.anchor,
         anchor_position_ids=rows.length - 1,
-        past_key_values=draft_cache,
+        sequences=lambda: [record.tokens(row) for row in rows.index.tolist()],
+        limit=limit,
         embed_tokens=setup.target.get_input_embeddings(),
         lm_head=setup.target.get_output_embeddings(),
-        target_hidden=rows.features,
-        context_position_ids=rows.feature_positions,
-        context_mask=rows.feature_mask,
         do_sample=setup.do_sample,
-        logits_processor=setup.warpers if len(setup.warpers) > 0 else None,
+        sampling=setup.sampling,
         generator=setup.generator,
         options=setup.options,
     )
-    rows.features = rows.feature_positions = rows.feature_mask = None
-    if drafting is not None:
-        num_drafts = drafting.length(block.confidence, num_drafts)
-    return block.tokens[:, :num_drafts], block.logits[:, :num_drafts]
 
 
 def _verify(setup: _Setup, rows: _Rows, draft_tokens: torch.Tensor, cache):

@@ -6,7 +6,14 @@ from conftest import tiny_draft, tiny_target
 from speculative_helpers import draft_from_scratch
 
 from domino_spec import DraftCosts, DraftingOptions
-from domino_spec.drafting import CostAwareDrafting, choose_draft_length, measure_draft_costs, prompt_lookup
+from domino_spec.drafting import (
+    CostAwareDrafting,
+    CostModel,
+    DraftSampling,
+    choose_draft_length,
+    learned_costs,
+    prompt_lookup,
+)
 from domino_spec.generation import left_pad, speculative_generate
 
 # A CPU-like round: verifying costs more with every draft, a drafting round a fifth of a decode step.
@@ -64,14 +71,71 @@ def test_draft_costs_and_options_refuse_bad_values():
             DraftingOptions(prompt_lookup=lookup)
 
 
-def test_measured_costs_cover_every_draft_count_and_are_measured_once():
+def test_the_cost_model_learns_each_timed_count_and_scales_the_prior_to_the_others():
+    model = CostModel(num_drafts=4)
+    assert not model.knows_plain_step
+    prior = model.costs()  # before any timing: the prior's ratios alone
+    assert prior.verify_seconds == pytest.approx((1.0, 1.1, 1.2, 1.3, 1.4)) and prior.draft_seconds == 0.25
+    model.observe_verify(2, 0.024)  # a pass over 2 drafts took 24 ms: the counts never timed follow it
+    assert model.costs().verify_seconds == pytest.approx((0.02, 0.022, 0.024, 0.026, 0.028))
+    model.observe_verify(0, 0.010)  # the plain step, timed: counts 0 and 1 now scale to it, 3 and 4 to count 2
+    costs = model.costs()
+    assert model.knows_plain_step and costs.verify_seconds == pytest.approx((0.010, 0.011, 0.024, 0.026, 0.028))
+    assert costs.draft_seconds == pytest.approx(0.0025)  # a quarter of the plain step until a round is timed
+    model.observe_draft(0.004)
+    model.observe_draft(0.002)  # a running average: recent rounds weigh most
+    assert model.costs().draft_seconds == pytest.approx(0.7 * 0.004 + 0.3 * 0.002)
+
+
+def test_a_first_call_measures_nothing_up_front_and_a_later_one_starts_from_what_it_learned():
+    """No hidden set-up: the first call's target passes are its prefill and its rounds, the first of them a plain
+    step that times what every choice is weighed against; the process keeps what its rounds timed."""
     target = tiny_target("qwen3")
     draft = tiny_draft(target, block_size=6)
-    costs = measure_draft_costs(target, draft)
-    assert len(costs.verify_seconds) == draft.config.num_draft_tokens + 1 and costs.draft_seconds > 0
-    assert measure_draft_costs(target, draft) is costs
-    # what to verify does not change what a round costs: one measurement serves those options too
-    assert measure_draft_costs(target, draft, DraftingOptions(draft_length="full", prompt_lookup=0)) is costs
+    draft.drafting_options = DraftingOptions(draft_length="cost")
+    passes = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: passes.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True)  # fmt: skip
+    input_ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    output = speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    hook.remove()
+    assert len(passes) == 1 + output.num_rounds  # the prefill, then one pass per round
+    assert passes[1] == 1  # the first round: a plain step
+    cost_model = learned_costs(target, draft)(1)
+    assert cost_model.knows_plain_step
+    learned = cost_model.costs()
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    again = speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(again.sequences, expected) and torch.equal(output.sequences, expected)
+    assert again.acceptance_lengths[0][0] >= 1 and learned_costs(target, draft)(1) is cost_model  # one per process
+    assert learned_costs(target, draft)(2) is not cost_model  # each batch size learns its own
+
+
+def test_calibration_scales_confidences_by_how_often_drafts_were_accepted():
+    drafting = CostAwareDrafting(STEEP)
+    sure = torch.full((1, 4), 0.9)
+    assert drafting.length(sure, limit=4) == 4
+    for _ in range(30):  # drafts the draft was sure of, never accepted
+        drafting.length(sure, limit=4)
+        drafting.accepted(1, [0])
+    assert drafting.calibration < 0.1
+    assert choose_draft_length(sure * drafting.calibration, STEEP) == 0 and drafting.length(sure, limit=4) == 0
+
+
+def test_draft_sampling_draws_from_the_logits_it_returns():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    sampling = DraftSampling(temperature=0.7, top_k=3, top_p=0.9)
+    warped = sampling.warp(logits)
+    probs = (logits / 0.7).softmax(-1)[0, :3]
+    kept = int(torch.searchsorted((probs / probs.sum()).cumsum(0), torch.tensor(0.9))) + 1  # top-p of the top 3
+    assert torch.isfinite(warped[0]).sum() == kept and torch.isneginf(warped[0, 3:]).all()
+    generator = torch.Generator().manual_seed(0)
+    draws = [sampling.draw(logits.expand(2000, -1), generator) for _ in range(5)]
+    counts = torch.bincount(torch.cat([index for index, _ in draws]), minlength=5).double()
+    frequencies = counts / counts.sum()
+    assert torch.allclose(frequencies, draws[0][1][0].softmax(-1).double(), atol=0.02)
+    with pytest.raises(ValueError, match="temperature=0"):
+        DraftSampling(temperature=0)
 
 
 def test_greedy_decoding_with_the_cost_aware_length_is_lossless_and_verifies_fewer_drafts():

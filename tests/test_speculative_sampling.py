@@ -329,7 +329,7 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
     lengths = []
 
     def recording(self, confidence, limit):
-        lengths.append(choose_draft_length(confidence, self.costs))
+        lengths.append(choose_draft_length(confidence, self.cost_models(1).costs()))
         return length(self, confidence, limit)
 
     length = CostAwareDrafting.length
