@@ -33,7 +33,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from ..targets import eos_token_ids, prompt_token_ids
-from ..drafting import measure_draft_costs
+from ..drafting import learned_costs
 from .cpu import CPUOptimization
 from .engine import DeviceClock, pooled_position_rates, speculative_generate
 
@@ -196,7 +196,7 @@ def run_bench(
 ) -> dict:
     """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`), with the baselines they need added
     (`with_baselines`), on the target and drafts `optimization` prepared, if any; returns what `write_results`
-    writes, with the cost model of each draft measured in the same run (`drafting.measure_draft_costs`)."""
+    writes, with the cost model of each draft as its batch-1 rounds learned it in this run (`drafting.learned_costs`)."""
     missing = [m for m in methods if m in DRAFT_OF and drafts.get(DRAFT_OF[m]) is None]
     if missing:
         raise ValueError(f"methods {missing} need a draft: pass --domino DIR and/or --dflash DIR, or drop them")
@@ -251,9 +251,10 @@ def run_bench(
 
 
 def cost_model(target, draft) -> dict:
-    """The terms of a round's cost, in milliseconds, as the cost-aware draft length weighed them in this run: the
-    decode step (a pass over one token), a verify pass over the anchor and k drafts (k = 0..S), a drafting round."""
-    costs = measure_draft_costs(target, draft)
+    """The terms of a batch-1 round's cost, in milliseconds, as the cost-aware draft length learned and weighed them
+    by the end of this run: the decode step (a pass over one token), a verify pass over the anchor and k drafts
+    (k = 0..S; counts never verified are the prior's guess), a drafting round."""
+    costs = learned_costs(target, draft)(1).costs()
     return {
         "decode_ms": round(1000 * costs.verify_seconds[0], 3),
         "verify_ms": [round(1000 * seconds, 3) for seconds in costs.verify_seconds],

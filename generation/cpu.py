@@ -99,7 +99,7 @@ class CPUOptimization:
         self._forget_costs()
 
     def _forget_costs(self) -> None:
-        """The draft costs measured with these models (`drafting.measure_draft_costs`) timed other kernels."""
+        """The draft costs measured with these models (`drafting.learned_costs`) timed other kernels."""
         for model in self.models:
             forget_draft_costs(model)
 
