@@ -148,9 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def is_mistake(error: Exception) -> bool:
     """Whether `run` reports `error` in one line: a missing file or asset, or a bad value."""
-    from .assets import (
-        MissingAssetError,  # imports torch, so not before a command has run
-    )
+    from .assets import MissingAssetError  # imports torch: not before a command has run
 
     return isinstance(error, (ValueError, FileNotFoundError, MissingAssetError))
 

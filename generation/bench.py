@@ -1,4 +1,5 @@
-"""`domino-spec bench`: evaluation sets x decoding methods in one run, greedy, every output checked against plain.
+"""`domino-spec bench`: evaluation sets x decoding methods x settings in one run, every greedy output checked against
+plain decoding.
 
 Methods:
   plain          target.generate(do_sample=False): the reference of every output check, the speedup baseline of
@@ -14,6 +15,11 @@ On CPU the target and the drafts are prepared with `optimize_for_cpu` first (eve
 them), so each speedup is reported twice: over plain decoding in the same engine and preparation (`speedup`), and
 over eager `target.generate` (`speedup_over_eager`).
 
+Settings (`Setting`): the batch size and the sampling parameters. The native engine's methods decode the prompts
+in left-padded batches of B and are measured against plain-native at the same B; a greedy row must equal
+plain-native's (at batch 1, plain's). Sampled outputs are not compared (`identical` is None). transformers' paths
+(plain, plain-eager, prompt-lookup, domino-hf) run in the batch-1 greedy setting only.
+
 Acceptance length tau = tokens committed per target verify pass, over the passes that follow the prefill (Domino's
 prefill only yields the first token; prompt lookup drafts already at the prefill, so all its passes count). The
 native engine reports its rounds; for transformers' paths the target's forward calls are counted, and the drafts
@@ -21,8 +27,6 @@ each verified (its input length but the anchor).
 """
 
 import contextlib
-import json
-import os
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -32,8 +36,8 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from ..targets import eos_token_ids, prompt_token_ids
 from ..drafting import learned_costs
+from ..targets import eos_token_ids, left_pad, prompt_token_ids
 from .cpu import CPUOptimization
 from .engine import DeviceClock, pooled_position_rates, speculative_generate
 
@@ -55,6 +59,49 @@ PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_
 WARMUP_TOKENS = 16  # an untimed decode per method before the timed ones
 
 
+@dataclass(frozen=True)
+class Setting:
+    """How the prompts are decoded: a column of the bench's matrix."""
+
+    batch_size: int = 1  # prompts per speculative_generate call (native engine only beyond 1)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float | None = None  # sampling only; None: no nucleus cut
+    top_k: int | None = None  # sampling only; None: no top-k cut
+    seed: int = 0  # of the sampling generator, per method and setting
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def columns(self) -> dict:
+        """The setting as the columns of a results row."""
+        sampled = not self.greedy
+        return {"batch_size": self.batch_size, "do_sample": sampled, "temperature": self.temperature,
+                "top_p": self.top_p if sampled else None, "top_k": self.top_k if sampled else None,
+                "seed": self.seed if sampled else None}  # fmt: skip
+
+    @classmethod
+    def of_row(cls, row: dict) -> "Setting":
+        """The setting of a results row (rows written before settings were columns: batch 1 greedy)."""
+        return cls(row.get("batch_size", 1), row.get("temperature", 0.0), row.get("top_p"), row.get("top_k"),
+                   row.get("seed") or 0)  # fmt: skip
+
+    def label(self) -> str:
+        """Short name of the setting, for tables and figures: "B=4, greedy", "B=1, T=0.7, top-p 0.9"."""
+        parts = [f"B={self.batch_size}", "greedy" if self.greedy else f"T={self.temperature:g}"]
+        if not self.greedy and self.top_p is not None:
+            parts.append(f"top-p {self.top_p:g}")
+        if not self.greedy and self.top_k is not None:
+            parts.append(f"top-k {self.top_k}")
+        return ", ".join(parts)
+
+    def methods(self, methods: Sequence[str]) -> list[str]:
+        """The `methods` this setting measures: all at batch 1 greedy, else the native engine's."""
+        if self.batch_size == 1 and self.greedy:
+            return list(methods)
+        return [method for method in methods if method in NATIVE_METHODS]
+
+
 @dataclass
 class MethodRun:
     """Totals of one method on one evaluation set."""
@@ -62,15 +109,24 @@ class MethodRun:
     seconds: float = 0.0
     new_tokens: int = 0
     verified_tokens: int = 0  # tokens committed by verify passes (tau's numerator)
-    verify_passes: int = 0
-    drafts_verified: int = 0  # drafts the verify passes read (with the cost-aware length, fewer than the block's)
-    looked_up_rounds: int | None = None  # native engine: verify passes of looked-up tokens (prompt lookup)
+    verify_passes: int = 0  # per row: a batched pass counts once for each row it serves
+    rounds: int = 0  # verify passes, a batched one once
+    drafts_verified: int = 0  # drafts the rounds read (with the cost-aware length, fewer than the block's)
+    looked_up_rounds: int | None = None  # native engine: rounds of looked-up tokens (prompt lookup)
     round_lengths: list[int] = field(default_factory=list)  # native engine: tokens committed per round
     position_accepted: list[int] = field(default_factory=list)  # native engine: rounds accepting the k-th draft
     position_verified: list[int] = field(default_factory=list)  # and rounds verifying one, per draft position
-    identical: int = 0
+    identical: int | None = 0  # None: sampled, nothing to compare
     prompts: int = 0
-    texts: list[str] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # the new tokens of each prompt
+
+    def record_outputs(self, rows: list[list[int]], expected: list[list[int]] | None) -> None:
+        """Count a batch's outputs, and those equal to `expected` (the reference's, greedy; None when sampled)."""
+        self.prompts += len(rows)
+        self.new_tokens += sum(len(tokens) for tokens in rows)
+        self.outputs += rows
+        if expected is not None:
+            self.identical += sum(tokens == reference for tokens, reference in zip(rows, expected))
 
     def add_position_counts(self, accepted: list[int], verified: list[int]) -> None:
         self.position_accepted = [a + b for a, b in zip_longest(self.position_accepted, accepted, fillvalue=0)]
@@ -85,9 +141,9 @@ class MethodRun:
         tokens_per_s, baseline_tokens_per_s = self.tokens_per_s(), baseline.tokens_per_s()
         return round(tokens_per_s / baseline_tokens_per_s, 3) if tokens_per_s and baseline_tokens_per_s else None
 
-    def summary(self, baseline: "MethodRun", eager: "MethodRun") -> dict:
-        """Totals, tau and the speedups over `baseline` (plain decoding in the same engine) and `eager` (eager
-        `target.generate`)."""
+    def summary(self, baseline: "MethodRun", eager: "MethodRun | None") -> dict:
+        """Totals, tau and the speedups over `baseline` (plain decoding in the same engine and setting) and `eager`
+        (eager `target.generate`, batch 1 greedy; None in other settings)."""
         tau = self.verified_tokens / self.verify_passes if self.verify_passes else float("nan")
         tokens_per_s = self.tokens_per_s()
         return {
@@ -96,17 +152,18 @@ class MethodRun:
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(tokens_per_s, 3) if tokens_per_s else None,
             "speedup": self.speedup(baseline),
-            "speedup_over_eager": self.speedup(eager),
+            "speedup_over_eager": self.speedup(eager) if eager is not None else None,
             "mean_acceptance_length": round(tau, 3),
             "verified_tokens": self.verified_tokens,  # tau = verified_tokens / verify_passes
             "verify_passes": self.verify_passes,
-            "drafts_per_round": round(self.drafts_verified / self.verify_passes, 3) if self.verify_passes else None,
-            "looked_up_fraction": (round(self.looked_up_rounds / self.verify_passes, 3)
-                                   if self.verify_passes and self.looked_up_rounds is not None else None),  # fmt: skip
+            "drafts_per_round": round(self.drafts_verified / self.rounds, 3) if self.rounds else None,
+            "looked_up_fraction": (round(self.looked_up_rounds / self.rounds, 3)
+                                   if self.rounds and self.looked_up_rounds is not None else None),  # fmt: skip
             "position_acceptance": pooled_position_rates(self.position_accepted, self.position_verified),
             "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
             "identical": self.identical,
-            "identical_fraction": self.identical / self.prompts if self.prompts else None,
+            "identical_fraction": (self.identical / self.prompts
+                                   if self.prompts and self.identical is not None else None),
         }
 
 
@@ -125,26 +182,16 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eos: list[int], run: MethodRun,
-           optimization: CPUOptimization | None = None) -> list[int]:  # fmt: skip
-    """Decode one prompt (batch 1) with `method`, adding its time and acceptance to `run`; returns the new tokens.
-    `optimization` is suspended for `plain-eager`."""
-    clock = DeviceClock(input_ids.device)  # a GPU decode is timed to its last kernel
+def decode(method: str, target, drafts: dict, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
+           run: MethodRun, optimization: CPUOptimization | None = None, setting: Setting = Setting(),
+           generator: torch.Generator | None = None) -> list[list[int]]:  # fmt: skip
+    """Decode a batch of prompts (token-id lists) with `method` in `setting`, adding its time and acceptance to `run`;
+    returns each row's new tokens. transformers' paths take one prompt, greedy; `optimization` is suspended for
+    `plain-eager`; `generator` draws the native engine's samples."""
     if method in NATIVE_METHODS:
-        start = clock()
-        draft = drafts[DRAFT_OF[method]] if method in DRAFT_OF else None
-        options = replace(draft.drafting_options, prompt_lookup=0) if method == "domino-alone" else None
-        output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                      options=options)  # fmt: skip
-        run.seconds += clock() - start
-        tokens = output.sequences[0, input_ids.shape[1] :].tolist()[: output.num_new_tokens[0]]
-        run.round_lengths += output.acceptance_lengths[0]
-        run.add_position_counts(output.position_accepted.tolist(), output.position_verified.tolist())
-        run.verified_tokens += sum(output.acceptance_lengths[0])
-        run.verify_passes += len(output.acceptance_lengths[0])
-        run.drafts_verified += output.drafts_verified
-        run.looked_up_rounds = (run.looked_up_rounds or 0) + output.looked_up_rounds
-        return tokens
+        return _decode_native(method, target, drafts, prompts, max_new_tokens, eos, run, setting, generator)
+    assert len(prompts) == 1 and setting.greedy, f"{method} decodes one prompt greedily (Setting.methods)"
+    input_ids = torch.tensor(prompts, device=target.device)
     extra = {
         "plain": {},
         "plain-eager": {},
@@ -152,6 +199,7 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
         "domino-hf": {"assistant_model": drafts.get(DRAFT_OF["domino-hf"])},
     }[method]
     eager = optimization.suspended() if method == "plain-eager" and optimization else contextlib.nullcontext()
+    clock = DeviceClock(input_ids.device)  # a GPU decode is timed to its last kernel
     counter = ForwardCounter(target)
     with eager:
         start = clock()
@@ -170,9 +218,37 @@ def decode(method: str, target, drafts: dict, input_ids, max_new_tokens: int, eo
     prefill_counts = method != "prompt-lookup"
     verify_lengths = counter.lengths[1:]  # after the prefill, each pass reads the anchor and the drafts
     run.verify_passes += len(counter.lengths) - int(prefill_counts)
+    run.rounds += len(counter.lengths) - int(prefill_counts)
     run.verified_tokens += len(tokens) - int(prefill_counts)
     run.drafts_verified += sum(length - 1 for length in verify_lengths)
-    return tokens
+    return [tokens]
+
+
+def _decode_native(method: str, target, drafts: dict, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
+                   run: MethodRun, setting: Setting, generator: torch.Generator | None) -> list[list[int]]:  # fmt: skip
+    """`decode` in the native engine: the prompts left-padded into one batch."""
+    input_ids, attention_mask = (tensor.to(target.device) for tensor in left_pad(prompts, pad_token_id=eos[0]))
+    draft = drafts[DRAFT_OF[method]] if method in DRAFT_OF else None
+    options = replace(draft.drafting_options, prompt_lookup=0) if method == "domino-alone" else None
+    sampling = {} if setting.greedy else {
+        "do_sample": True, "temperature": setting.temperature, "top_k": setting.top_k, "top_p": setting.top_p,
+        "generator": generator,
+    }  # fmt: skip
+    clock = DeviceClock(input_ids.device)  # a GPU decode is timed to its last kernel
+    start = clock()
+    output = speculative_generate(target, draft, input_ids, attention_mask=attention_mask,
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos, options=options, **sampling)
+    run.seconds += clock() - start
+    width = input_ids.shape[1]
+    for lengths in output.acceptance_lengths:
+        run.round_lengths += lengths
+        run.verified_tokens += sum(lengths)
+        run.verify_passes += len(lengths)
+    run.rounds += output.num_rounds
+    run.add_position_counts(output.position_accepted.tolist(), output.position_verified.tolist())
+    run.drafts_verified += output.drafts_verified
+    run.looked_up_rounds = (run.looked_up_rounds or 0) + output.looked_up_rounds
+    return [output.sequences[row, width:].tolist()[:count] for row, count in enumerate(output.num_new_tokens)]
 
 
 def with_baselines(methods: Sequence[str], prepared: bool = False) -> list[str]:
@@ -193,51 +269,33 @@ def run_bench(
     max_new_tokens: int = 256,
     thinking: bool | None = None,
     optimization: CPUOptimization | None = None,
+    settings: Sequence[Setting] = (Setting(),),
 ) -> dict:
-    """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`), with the baselines they need added
-    (`with_baselines`), on the target and drafts `optimization` prepared, if any; returns what `write_results`
-    writes, with the cost model of each draft as its batch-1 rounds learned it in this run (`drafting.learned_costs`)."""
+    """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`) in every setting it applies to
+    (`Setting.methods`), with the baselines they need added (`with_baselines`), on the target and drafts
+    `optimization` prepared, if any; returns what `bench_report.write_results` writes, with the cost model of each
+    draft as its batch-1 rounds learned it in this run (`drafting.learned_costs`). `texts` holds the outputs of the
+    first setting (what `--quality` scores)."""
     missing = [m for m in methods if m in DRAFT_OF and drafts.get(DRAFT_OF[m]) is None]
     if missing:
         raise ValueError(f"methods {missing} need a draft: pass --domino DIR and/or --dflash DIR, or drop them")
     methods = with_baselines(methods, prepared=optimization is not None)
     eos = eos_token_ids(target, tokenizer)
-    eval_sets = list(prompts)
-    runs = {name: {method: MethodRun() for method in methods} for name in eval_sets}
-
-    def prompt_ids(item: dict) -> torch.Tensor:
-        return torch.tensor([prompt_token_ids(tokenizer, item["messages"], thinking)], device=target.device)
-
-    warmup_ids = prompt_ids(next(item for items in prompts.values() for item in items))
-    for method in methods:  # untimed: no method pays the one-off costs of a first call (allocations, kernel choice)
-        decode(method, target, drafts, warmup_ids, WARMUP_TOKENS, eos, MethodRun(), optimization)
-    progress = tqdm(total=sum(len(p) for p in prompts.values()) * len(methods), desc="bench", unit="decode")
-    for name, items in prompts.items():
-        for item in items:
-            input_ids = prompt_ids(item)
-            reference = None
-            for method in sorted(methods, key=lambda name: name != "plain"):  # plain first: it is the reference
-                run = runs[name][method]
-                tokens = decode(method, target, drafts, input_ids, max_new_tokens, eos, run, optimization)
-                reference = tokens if method == "plain" else reference
-                run.prompts += 1
-                run.new_tokens += len(tokens)
-                run.identical += int(tokens == reference)
-                run.texts.append(tokenizer.decode(tokens, skip_special_tokens=True))
-                progress.update(1)
-    progress.close()
-    results = []
-    for name in eval_sets:
-        for method in methods:
-            # Each engine against its own plain decoding: the native loop and generate's differ in overhead.
-            baseline = runs[name]["plain-native" if method in NATIVE_METHODS else "plain"]
-            eager = runs[name]["plain-eager" if optimization is not None else "plain"]
-            results.append({"eval_set": name, "method": method, **runs[name][method].summary(baseline, eager)})
+    prompt_ids = tokenized_prompts(tokenizer, prompts, thinking)
+    results, texts = [], None
+    for setting in settings:
+        runs = bench_setting(target, drafts, prompt_ids, setting.methods(methods), setting, max_new_tokens, eos,
+                             optimization)  # fmt: skip
+        texts = texts or {name: {m: [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in run.outputs]
+                                 for m, run in by_method.items()} for name, by_method in runs.items()}  # fmt: skip
+        results += setting_results(runs, setting, prepared=optimization is not None)
     return {
         "results": results,
         "cost_model": {name: cost_model(target, draft) for name, draft in drafts.items() if draft is not None},
         "config": {"prompts": {n: len(p) for n, p in prompts.items()}, "max_new_tokens": max_new_tokens,
-                   "methods": list(methods), "method_descriptions": {m: METHODS[m] for m in methods}, "greedy": True,
+                   "methods": list(methods), "method_descriptions": {m: METHODS[m] for m in methods},
+                   "greedy": all(setting.greedy for setting in settings),
+                   "settings": [setting.columns() for setting in settings],
                    "target": target.name_or_path,
                    "drafts": {name: draft.name_or_path for name, draft in drafts.items() if draft is not None},
                    "dtype": str(target.dtype).removeprefix("torch."),
@@ -245,9 +303,73 @@ def run_bench(
                    "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "warmup_tokens": WARMUP_TOKENS},
         "machine": machine_description(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "texts": {name: {m: runs[name][m].texts for m in methods} for name in eval_sets},
-        "references": {name: [item["reference"] for item in prompts[name]] for name in eval_sets},
+        "texts": texts,
+        "references": {name: [item["reference"] for item in prompts[name]] for name in prompts},
     }
+
+
+def tokenized_prompts(tokenizer, prompts: dict[str, list[dict]], thinking: bool | None = None) -> dict[str, list]:
+    """`{eval_set: [prompt token ids]}` of `{eval_set: eval_prompts(eval_set)}`, chat template applied."""
+    return {name: [prompt_token_ids(tokenizer, item["messages"], thinking) for item in items]
+            for name, items in prompts.items()}  # fmt: skip
+
+
+def bench_setting(target, drafts: dict, prompt_ids: dict[str, list[list[int]]], methods: Sequence[str],
+                  setting: Setting, max_new_tokens: int, eos: list[int],
+                  optimization: CPUOptimization | None = None) -> dict[str, dict[str, MethodRun]]:  # fmt: skip
+    """`{eval_set: {method: MethodRun}}` of one setting: each batch of prompts decoded by every method in turn, after
+    an untimed warm-up per method (no method pays the one-off costs of a first call at this batch size: allocations,
+    kernel choice; `--cold` measures those). Greedy outputs are compared with the reference's (`reference_method`)."""
+    reference = reference_method(methods)
+    generators = {method: sampling_generator(target.device, setting) for method in methods}
+    warmup_batch = next(ids for ids in prompt_ids.values() if ids)[: setting.batch_size]
+    for method in methods:
+        decode(method, target, drafts, warmup_batch, WARMUP_TOKENS, eos, MethodRun(), optimization, setting,
+               sampling_generator(target.device, setting))  # fmt: skip
+    runs = {name: {method: MethodRun(identical=0 if setting.greedy else None) for method in methods}
+            for name in prompt_ids}  # fmt: skip
+    batches = [(name, ids[start : start + setting.batch_size])
+               for name, ids in prompt_ids.items() for start in range(0, len(ids), setting.batch_size)]  # fmt: skip
+    progress = tqdm(total=sum(len(batch) for _, batch in batches) * len(methods), desc=f"bench {setting.label()}",
+                    unit="decode")  # fmt: skip
+    for name, batch in batches:
+        expected = None
+        for method in sorted(methods, key=lambda method: method != reference):  # the reference first
+            run = runs[name][method]
+            rows = decode(method, target, drafts, batch, max_new_tokens, eos, run, optimization, setting,
+                          generators[method])  # fmt: skip
+            expected = rows if method == reference else expected
+            run.record_outputs(rows, expected if setting.greedy else None)
+            progress.update(len(batch))
+    progress.close()
+    return runs
+
+
+def reference_method(methods: Sequence[str]) -> str:
+    """The method whose outputs the others' must equal: plain (transformers' `generate`) where it runs, else
+    plain-native at the same batch size."""
+    return "plain" if "plain" in methods else "plain-native"
+
+
+def sampling_generator(device: torch.device, setting: Setting) -> torch.Generator | None:
+    """A generator seeded with the setting's seed, for a sampled setting (None for greedy)."""
+    return None if setting.greedy else torch.Generator(device=device).manual_seed(setting.seed)
+
+
+def setting_results(runs: dict[str, dict[str, MethodRun]], setting: Setting, prepared: bool,
+                    timing: str = "warm") -> list[dict]:  # fmt: skip
+    """The results rows of one setting: each method against plain decoding in its own engine and this setting, and
+    (batch 1 greedy, on a `prepared` target) against eager `target.generate`. `timing`: "warm" (after a warm-up) or
+    "cold" (a process's first call, `cold_start`)."""
+    rows = []
+    for name, by_method in runs.items():
+        for method, run in by_method.items():
+            # Each engine against its own plain decoding: the native loop and generate's differ in overhead.
+            baseline = by_method["plain-native" if method in NATIVE_METHODS else "plain"]
+            eager = by_method.get("plain-eager" if prepared else "plain")
+            rows.append({"eval_set": name, "method": method, **setting.columns(), "timing": timing,
+                         **run.summary(baseline, eager)})  # fmt: skip
+    return rows
 
 
 def cost_model(target, draft) -> dict:
@@ -271,95 +393,3 @@ def machine_description() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "python": platform.python_version(),
     }
-
-
-# ---------------------------------------------------------------------- results
-
-
-def markdown_table(results: list[dict]) -> str:
-    lines = [
-        "| eval set | method | tau (mean acceptance) | drafts verified per round | rounds looked up | tokens/s "
-        "| speedup (same engine) | speedup over eager generate | identical to plain |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in results:
-        identical = f"{row['identical']}/{row['prompts']}"
-        drafts = "-" if row["drafts_per_round"] is None else f"{row['drafts_per_round']:.2f}"
-        looked_up = "-" if row.get("looked_up_fraction") is None else f"{row['looked_up_fraction']:.0%}"
-        lines.append(
-            f"| {row['eval_set']} | {row['method']} | {row['mean_acceptance_length']:.2f} | {drafts} | {looked_up} | "
-            f"{row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | {row['speedup_over_eager']:.2f}x | {identical} |"
-        )
-    return "\n".join(lines)
-
-
-def cost_model_table(cost_model: dict) -> str:
-    """The cost model of each draft (`cost_model`): decode step, verify of k drafts, drafting round."""
-    lines = ["| draft | decode step ms | verify ms, k = 0..S drafts | draft round ms |", "|---|---:|---|---:|"]
-    for name, terms in cost_model.items():
-        verify = ", ".join(f"{ms:.1f}" for ms in terms["verify_ms"])
-        lines.append(f"| {name} | {terms['decode_ms']:.1f} | {verify} | {terms['draft_round_ms']:.1f} |")
-    return "\n".join(lines)
-
-
-def quality_table(quality: dict) -> str:
-    """`report["quality"]` (`quality.score_report`) as markdown: plain's and the drafts' scores side by side, which
-    must agree for lossless decoding. Open-ended sets (MT-Bench) have no metric and show "-"."""
-    lines = ["| eval set | method | metric | score | outputs |", "|---|---|---|---|---|"]
-    for eval_set, scores_by_method in quality.items():
-        for method, scores in scores_by_method.items():
-            score = "-" if scores["score"] is None else f"{scores['score']:.3f}"
-            lines.append(f"| {eval_set} | {method} | {scores['metric'] or '-'} | {score} | {scores['count']} |")
-    return "\n".join(lines)
-
-
-def plot_acceptance(results: list[dict], path: str) -> None:
-    """Acceptance-length histogram and per-position acceptance curve per method, one row of panels per eval set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    eval_sets = sorted({row["eval_set"] for row in results}, key=[r["eval_set"] for r in results].index)
-    figure, axes = plt.subplots(len(eval_sets), 2, figsize=(11, 3.4 * len(eval_sets)), squeeze=False)
-    for row_axes, name in zip(axes, eval_sets):
-        for row in (r for r in results if r["eval_set"] == name and r["acceptance_histogram"]):
-            histogram = {int(k): v for k, v in row["acceptance_histogram"].items()}
-            total = sum(histogram.values())
-            lengths = sorted(histogram)
-            row_axes[0].plot(lengths, [histogram[n] / total for n in lengths], marker="o", label=row["method"])
-            rates = [float("nan") if rate is None else rate for rate in row["position_acceptance"]]
-            row_axes[1].plot(range(1, len(rates) + 1), rates, marker="o", label=row["method"])
-        row_axes[0].set(title=f"{name}: tokens committed per round", xlabel="acceptance length", ylabel="fraction")
-        row_axes[1].set(title=f"{name}: k-th draft accepted", xlabel="k", ylabel="fraction of rounds", ylim=(0, 1))
-        for axis in row_axes:
-            axis.grid(alpha=0.3)
-            axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def write_results(report: dict, output_dir: str) -> dict[str, str]:
-    """`bench_results.json`, `bench_results.md` (with a quality table after `bench --quality`) and
-    `bench_acceptance.png` in `output_dir`; returns their paths."""
-    os.makedirs(output_dir, exist_ok=True)
-    paths = {name: os.path.join(output_dir, f"bench_{name}") for name in ("results.json", "results.md", "acceptance.png")}
-    with open(paths["results.json"], "w", encoding="utf-8") as file:
-        json.dump(report, file, indent=1)
-    header = (
-        f"Greedy, {report['config']['dtype']}, max_new_tokens={report['config']['max_new_tokens']}, prompts per set: "
-        f"{report['config']['prompts']}, "
-        f"{'with' if report['config'].get('cpu_optimization') else 'without'} `optimize_for_cpu`. "
-        f"Machine: {report['machine']['processor']}, {report['machine']['cpu_threads']} threads, "
-        f"{report['machine']['device']}; torch {report['versions']['torch']}, "
-        f"transformers {report['versions']['transformers']}.\n\n"
-    )
-    with open(paths["results.md"], "w", encoding="utf-8") as file:
-        file.write(header + markdown_table(report["results"]) + "\n")
-        if report.get("cost_model"):
-            file.write("\nCost model, measured in the same run:\n\n" + cost_model_table(report["cost_model"]) + "\n")
-        if report.get("quality"):  # `bench --quality`
-            file.write("\nQuality of the decoded outputs:\n\n" + quality_table(report["quality"]) + "\n")
-    plot_acceptance(report["results"], paths["acceptance.png"])
-    return paths

@@ -1,26 +1,41 @@
 """`domino-spec bench`: the command line of the benchmark harness (`bench.py`).
 
     domino-spec bench [--target DIR] [--domino DIR] [--eval-sets ...] [--limit N] [--quality [--allow-code-execution]]
+                      [--batch-sizes 1,4,12] [--temperature 0,0.7 [--top-p P] [--top-k K] [--seed S]] [--cold]
+                      [--background-load]
+
+The settings matrix: every batch size x every temperature (0: greedy), each cell a speedup over plain decoding in
+the same engine and setting, with tau; `--cold` adds each method's first call in a fresh process beside the warm
+runs, and `--background-load` runs the whole bench beside a low-priority CPU-bound process.
 """
 
 import argparse
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 
 from ..drafting import DRAFT_LENGTHS, DraftingOptions
 from ..modeling_domino import DominoDraftModel
 from ..published_format import check_draft_folder, draft_config
-from ..targets import load_target
-from .bench import DRAFT_OF, METHODS, run_bench, write_results
+from ..targets import eos_token_ids, load_target
+from .bench import DRAFT_OF, METHODS, NATIVE_METHODS, Setting, run_bench, tokenized_prompts
+from .bench_report import write_results
+from .cold_start import cold_results
 from .cpu import optimize_for_cpu
 from .demo import SHIPPED_DRAFT
-from .eval_sets import EVAL_SETS, eval_prompts
+from .eval_sets import ALL_EVAL_SETS, EVAL_SETS, eval_prompts
 
 
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="domino-spec bench", description="Evaluation sets x decoding methods, greedy.")
+    parser = argparse.ArgumentParser(
+        prog="domino-spec bench", description="Evaluation sets x decoding methods x settings (batch size, sampling)."
+    )
     parser.add_argument("--target", default="smollm2-135m", help="target model folder or asset name")
     parser.add_argument("--domino", default=None, help="Domino draft folder (default: the shipped SmolLM2 draft)")
     parser.add_argument("--dflash", default=None, help="DFlash-only draft folder (head off), for the dflash method")
-    parser.add_argument("--eval-sets", default=",".join(EVAL_SETS), help=f"comma-separated from {EVAL_SETS}")
+    parser.add_argument("--eval-sets", default=",".join(EVAL_SETS), help=f"comma-separated from {ALL_EVAL_SETS}")
     parser.add_argument(
         "--methods", default=",".join(name for name in METHODS if name != "plain-eager"),
         help=f"comma-separated from {', '.join(METHODS)}; the plain decodings a method is measured against (plain, "
@@ -48,12 +63,83 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         help="let --quality score HumanEval by running the model-written programs here, sandboxed (README: what the "
         "sandbox isolates; it is not a security boundary). HF_ALLOW_CODE_EVAL=1 allows it too",
     )  # fmt: skip
-    parser.add_argument("--output", default="runs/bench", help="folder for bench_results.{json,md} and the figure")
+    parser.add_argument(
+        "--batch-sizes", default="1", metavar="B,...",
+        help="comma-separated prompts per call: the native engine's methods decode the prompts in left-padded "
+        "batches of each size, against plain-native at that size (transformers' methods run at batch 1 only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--temperature", default="0", metavar="T,...",
+        help="comma-separated sampling temperatures, 0 for greedy: each is a setting (sampled outputs are not "
+        "compared; transformers' methods run greedy only)",
+    )  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling of the sampled settings")
+    parser.add_argument("--top-k", type=int, default=None, help="top-k sampling of the sampled settings")
+    parser.add_argument("--seed", type=int, default=0, help="seed of each sampled method's generator")
+    parser.add_argument(
+        "--cold", action="store_true",
+        help="also time each method's first call in a fresh process (one per method, setting and eval set, on its "
+        "first batch): model loading excluded, optimize_for_cpu and the first call's set-up included",
+    )  # fmt: skip
+    parser.add_argument(
+        "--background-load", action="store_true",
+        help="run the whole bench beside a low-priority (nice 19) CPU-bound process, as on a machine in use",
+    )  # fmt: skip
+    parser.add_argument("--output", default="runs/bench", help="folder for bench_results.{json,md} and the figures")
     return parser.parse_args(argv)
+
+
+def comma_separated(flag: str, text: str, kind: type, minimum: float) -> list:
+    """The values of a comma-separated flag, each at least `minimum`; `ValueError` naming the flag otherwise."""
+    try:
+        values = [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        raise ValueError(f"{flag} {text}: expected comma-separated {kind.__name__}s of at least {minimum:g}, e.g. "
+                         f"{flag} {'1,4,12' if kind is int else '0,0.7'}.")  # fmt: skip
+    return list(dict.fromkeys(values))
+
+
+def settings_of(args: argparse.Namespace) -> list[Setting]:
+    """The settings matrix of the flags, checked before anything loads: every temperature x every batch size."""
+    batch_sizes = comma_separated("--batch-sizes", args.batch_sizes, int, 1)
+    temperatures = comma_separated("--temperature", args.temperature, float, 0)
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p}: must be in (0, 1].")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k {args.top_k}: must be at least 1.")
+    if (args.top_p is not None or args.top_k is not None) and max(temperatures) == 0:
+        raise ValueError("--top-p and --top-k apply to sampling: add a sampling temperature, e.g. --temperature 0,0.7.")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1.")
+    return [Setting(batch_size, temperature, args.top_p, args.top_k, args.seed)
+            for temperature in temperatures for batch_size in batch_sizes]  # fmt: skip
+
+
+# A CPU-bound loop at the lowest priority that ends with the bench: it spins while its parent lives (so a bench
+# killed without cleaning up leaves none behind).
+BUSY_LOOP = "import os, sys\nos.nice(19)\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    pass\n"
+
+
+@contextlib.contextmanager
+def background_load(enabled: bool = True) -> Iterator[subprocess.Popen | None]:
+    """A low-priority (nice 19) CPU-bound process for the duration of the block, stopped however the block ends."""
+    if not enabled:
+        yield None
+        return
+    process = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())])
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def main(argv: list[str]) -> None:
     args = parse_arguments(argv)
+    settings = settings_of(args)
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -71,17 +157,13 @@ def main(argv: list[str]) -> None:
     if "dflash" in folders and draft_config(folders["dflash"])[0].use_domino_head:
         raise ValueError(f"--dflash {args.dflash} has a Domino head: the dflash method measures a backbone-only draft "
                          "(train one with --use_domino_head false).")  # fmt: skip
-    target, tokenizer = load_target(args.target)
-    drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
-              for name, folder in folders.items()}  # fmt: skip
-    for draft in drafts.values():
-        draft.drafting_options = DraftingOptions(draft_length=args.draft_length, prompt_lookup=args.prompt_lookup)
-    optimization = None
-    if target.device.type == "cpu" and not args.no_cpu_optimization:
-        print("preparing the target and drafts for multi-token passes on this CPU (optimize_for_cpu)", flush=True)
-        optimization = optimize_for_cpu(target, *drafts.values())
+    skipped = [method for method in methods if method not in NATIVE_METHODS]
+    if skipped and not any(setting.batch_size == 1 and setting.greedy for setting in settings):
+        print(f"{', '.join(skipped)}: transformers' methods run at batch 1, greedy only, which these settings leave "
+              "out", flush=True)  # fmt: skip
     prompts = {name: eval_prompts(name, args.limit) for name in eval_sets}
-    report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens, optimization=optimization)
+    with background_load(args.background_load):
+        report = bench_report(args, settings, methods, folders, prompts)
     if args.quality:
         from .quality import score_report
 
@@ -90,3 +172,32 @@ def main(argv: list[str]) -> None:
     with open(paths["results.md"], encoding="utf-8") as file:
         print(file.read())
     print("wrote " + ", ".join(paths.values()))
+
+
+def bench_report(args: argparse.Namespace, settings: list[Setting], methods: list[str], folders: dict[str, str],
+                 prompts: dict[str, list[dict]]) -> dict:  # fmt: skip
+    """Load the models, run the bench in every setting (and, with `--cold`, every first call in a fresh process);
+    the report, every row with its settings as columns."""
+    target, tokenizer = load_target(args.target)
+    drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+              for name, folder in folders.items()}  # fmt: skip
+    drafting_options = DraftingOptions(draft_length=args.draft_length, prompt_lookup=args.prompt_lookup)
+    for draft in drafts.values():
+        draft.drafting_options = drafting_options
+    optimization = None
+    if target.device.type == "cpu" and not args.no_cpu_optimization:
+        print("preparing the target and drafts for multi-token passes on this CPU (optimize_for_cpu)", flush=True)
+        optimization = optimize_for_cpu(target, *drafts.values())
+    report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens, optimization=optimization,
+                       settings=settings)  # fmt: skip
+    if args.cold:
+        measured = report["config"]["methods"]  # with the baselines run_bench added
+        prompt_ids = tokenized_prompts(tokenizer, prompts)
+        report["results"] += cold_results(args.target, folders, drafting_options, prompt_ids, measured, settings,
+                                          args.max_new_tokens, eos_token_ids(target, tokenizer),
+                                          prepared=optimization is not None)  # fmt: skip
+    for row in report["results"]:
+        row["background_load"] = args.background_load
+    report["config"].update(cold=args.cold, background_load=args.background_load)
+    return report
+

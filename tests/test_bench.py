@@ -9,14 +9,8 @@ from speculative_helpers import OracleDraft
 
 from domino_spec import DraftingOptions
 from domino_spec.generation import pooled_position_rates, speculative_generate
-from domino_spec.generation.bench import (
-    METHODS,
-    NATIVE_METHODS,
-    MethodRun,
-    run_bench,
-    with_baselines,
-    write_results,
-)
+from domino_spec.generation.bench import METHODS, NATIVE_METHODS, MethodRun, run_bench, with_baselines
+from domino_spec.generation.bench_report import write_results
 from domino_spec.generation.quality import score_report
 from domino_spec.targets import prompt_token_ids
 

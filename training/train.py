@@ -21,12 +21,7 @@ from transformers import HfArgumentParser, set_seed
 from ..modeling_domino import DominoDraftModel
 from ..published_format import check_draft_folder
 from ..targets import load_target, pad_token_id
-from .checkpoints import (
-    check_resumable,
-    checkpoint_to_resume,
-    final_draft_problem,
-    finished_at,
-)
+from .checkpoints import check_resumable, checkpoint_to_resume, final_draft_problem, finished_at
 from .collator import DominoDataCollator
 from .data import (
     check_regenerated_by,

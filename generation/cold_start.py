@@ -1,0 +1,106 @@
+"""`domino-spec bench --cold`: the time of a process's first decoding call, its one-time set-up included.
+
+A warm-up hides what a user's first call pays: `optimize_for_cpu` timing its kernels, allocations, kernel choice, the
+cost-aware draft length learning this machine. So each method in each setting decodes the first batch of each
+evaluation set in a fresh Python process (`python -m domino_spec.generation.cold_start SPEC RESULT`): loading the
+models is not timed, everything after is (preparing the target and the method's draft with `optimize_for_cpu`
+where the bench does, the first call). Speedups compare first calls in the same engine and setting.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..drafting import DraftingOptions
+from ..modeling_domino import DominoDraftModel
+from ..targets import load_target
+from .bench import DRAFT_OF, MethodRun, Setting, decode, reference_method, sampling_generator, setting_results
+from .cpu import optimize_for_cpu
+from .engine import DeviceClock
+
+
+def cold_results(target_name: str, draft_folders: dict[str, str], drafting_options: DraftingOptions,
+                 prompt_ids: dict[str, list[list[int]]], methods: Sequence[str], settings: Sequence[Setting],
+                 max_new_tokens: int, eos: list[int], prepared: bool) -> list[dict]:  # fmt: skip
+    """The results rows (`timing` "cold") of every method (with its baselines, as `run_bench` measured them) in
+    every setting it applies to, on each evaluation set's first batch, each a first call in a fresh process."""
+    processes = sum(len(setting.methods(methods)) * len(prompt_ids) for setting in settings)
+    progress = tqdm(total=processes, desc="bench --cold", unit="process")
+    rows = []
+    for setting in settings:
+        for name, ids in prompt_ids.items():
+            runs = {}
+            for method in setting.methods(methods):
+                spec = {"target": target_name, "method": method, "setting": dataclasses.asdict(setting),
+                        "drafts": {DRAFT_OF[method]: draft_folders[DRAFT_OF[method]]} if method in DRAFT_OF else {},
+                        "drafting_options": {"draft_length": drafting_options.draft_length,
+                                             "prompt_lookup": drafting_options.prompt_lookup},
+                        "prompts": ids[: setting.batch_size], "max_new_tokens": max_new_tokens, "eos": eos,
+                        "cpu_optimization": prepared and method != "plain-eager",
+                        "threads": torch.get_num_threads()}  # fmt: skip
+                runs[method] = first_call_in_new_process(spec)
+                progress.update(1)
+            if runs and setting.greedy:  # the outputs, checked as the warm ones
+                expected = runs[reference_method(list(runs))].outputs
+                for run in runs.values():
+                    run.identical = sum(tokens == reference for tokens, reference in zip(run.outputs, expected))
+            rows += setting_results({name: runs}, setting, prepared, timing="cold") if runs else []
+    progress.close()
+    return rows
+
+
+def first_call_in_new_process(spec: dict) -> MethodRun:
+    """Run `spec` (see `first_call`) in a fresh Python process; its `MethodRun`."""
+    with tempfile.TemporaryDirectory(prefix="domino-cold-") as folder:
+        spec_path, result_path = os.path.join(folder, "spec.json"), os.path.join(folder, "result.json")
+        with open(spec_path, "w", encoding="utf-8") as file:
+            json.dump(spec, file)
+        command = [sys.executable, "-m", __name__, spec_path, result_path]
+        finished = subprocess.run(command, capture_output=True, text=True, check=False)
+        if finished.returncode != 0:
+            raise RuntimeError(f"the cold run of {spec['method']} ({Setting(**spec['setting']).label()}) failed with "
+                               f"status {finished.returncode}:\n{finished.stderr[-4000:]}")  # fmt: skip
+        with open(result_path, encoding="utf-8") as file:
+            return MethodRun(**json.load(file))
+
+
+def first_call(target, drafts: dict, spec: dict) -> MethodRun:
+    """Time everything a process does after loading its models: preparing them for the CPU (`cpu_optimization`)
+    and the first decoding call of `spec["method"]` on `spec["prompts"]`."""
+    setting = Setting(**spec["setting"])
+    clock = DeviceClock(target.device)
+    start = clock()
+    optimization = optimize_for_cpu(target, *drafts.values()) if spec["cpu_optimization"] else None
+    run = MethodRun(identical=None)
+    rows = decode(spec["method"], target, drafts, spec["prompts"], spec["max_new_tokens"], spec["eos"], run,
+                  optimization, setting, sampling_generator(target.device, setting))  # fmt: skip
+    run.seconds = clock() - start  # the whole first call, its set-up included
+    run.record_outputs(rows, None)
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The child process: load the models of the spec in `argv[0]`, time `first_call`, write its run to `argv[1]`."""
+    spec_path, result_path = sys.argv[1:] if argv is None else argv
+    with open(spec_path, encoding="utf-8") as file:
+        spec = json.load(file)
+    torch.set_num_threads(spec["threads"])  # as the parent's warm runs
+    target, _ = load_target(spec["target"])
+    drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+              for name, folder in spec["drafts"].items()}  # fmt: skip
+    for draft in drafts.values():
+        draft.drafting_options = DraftingOptions(**spec["drafting_options"])
+    run = first_call(target, drafts, spec)
+    with open(result_path, "w", encoding="utf-8") as file:
+        json.dump(dataclasses.asdict(run), file)
+
+
+if __name__ == "__main__":
+    main()
