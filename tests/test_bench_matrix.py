@@ -16,6 +16,7 @@ from domino_spec.generation import bench_command
 from domino_spec.generation.bench import NATIVE_METHODS, Setting, run_bench
 from domino_spec.generation.bench_report import write_results
 from domino_spec.generation.eval_sets import LONG_CONTEXT_CHARS, eval_prompts
+from domino_spec.training.model_card import acceptance_section
 
 
 def _prompt(item_id: str, text: str) -> dict:
@@ -77,7 +78,7 @@ def test_sampled_settings_are_seeded_compare_no_outputs_and_leave_transformers_p
     assert texts[0] == texts[1]  # each method's generator is seeded per setting
 
 
-def test_report_shows_the_speedup_matrix_and_its_heatmap(tmp_path):
+def test_report_shows_the_speedup_matrix_and_its_heatmap_and_model_cards_its_batch_1_greedy_warm_rows(tmp_path):
     target, drafts = tiny_models()
     settings = [Setting(batch_size=1), Setting(batch_size=2, temperature=0.7)]
     report = run_bench(target, tiny_tokenizer(), drafts, PROMPTS, ["domino", "dflash"], max_new_tokens=6,
@@ -92,6 +93,8 @@ def test_report_shows_the_speedup_matrix_and_its_heatmap(tmp_path):
     assert json.loads(Path(paths["results.json"]).read_text())["results"] == report["results"]
     for figure in ("acceptance.png", "matrix.png"):
         assert Path(paths[figure]).read_bytes()[:4] == b"\x89PNG"
+    card_rows = [line for line in acceptance_section(report).splitlines() if line.startswith("| set-")]
+    assert len(card_rows) == len([row for row in report["results"] if row["batch_size"] == 1]) - len(cold)
 
 
 def test_background_load_runs_at_the_lowest_priority_and_stops_however_the_block_ends():

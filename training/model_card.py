@@ -262,14 +262,15 @@ def _number(value, suffix: str = "") -> str:
 
 
 def acceptance_section(bench: dict) -> str:
-    """The rows of `bench_results.json` (`results`: eval_set, method, mean_acceptance_length, tokens_per_s, speedup,
-    identical), with the machine and versions they were measured on."""
+    """The batch-1 greedy rows after a warm-up of `bench_results.json` (`results`: eval_set, method,
+    mean_acceptance_length, tokens_per_s, speedup, identical; a bench of several settings has others too), with the
+    machine and versions they were measured on."""
     lines = [
         "| eval set | method | mean acceptance length | drafts verified per round | rounds looked up | tokens/s | "
         "speedup | speedup over eager generate | identical to plain |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in bench.get("results", []):
+    for row in filter(is_batch_1_greedy_warm, bench.get("results", [])):
         identical = row.get("identical")
         if isinstance(identical, int) and not isinstance(identical, bool) and row.get("prompts"):
             identical = f"{identical}/{row['prompts']}"
@@ -287,6 +288,12 @@ def acceptance_section(bench: dict) -> str:
         + "\n".join(lines)
         + ("\n\n" + "\n\n".join(notes) if notes else "")
     )
+
+
+def is_batch_1_greedy_warm(row: dict) -> bool:
+    """Whether a `bench_results.json` row was measured at batch 1, greedy, after a warm-up (rows without these
+    columns were)."""
+    return row.get("batch_size", 1) == 1 and not row.get("do_sample") and row.get("timing", "warm") == "warm"
 
 
 def bench_settings(config: dict) -> str:
