@@ -121,7 +121,8 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_background_load_ends_with_a_bench_killed_without_cleaning_up():
     code = ("import time\nfrom domino_spec.generation.bench_command import background_load\n"
-            "with background_load() as process:\n    print(process.pid, flush=True)\n    time.sleep(600)\n")  # fmt: skip
+            "with background_load() as process:\n"
+            "    print(process.pid, flush=True)\n    time.sleep(600)\n")  # fmt: skip
     bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     load_pid = int(bench.stdout.readline())
     assert _running(load_pid)
