@@ -118,9 +118,10 @@ def settings_of(args: argparse.Namespace) -> list[Setting]:
             for temperature in temperatures for batch_size in batch_sizes]  # fmt: skip
 
 
-# A CPU-bound loop at the lowest priority that ends with the bench: it spins while its parent lives (so a bench
-# killed without cleaning up leaves none behind).
-BUSY_LOOP = "import os, sys\nos.nice(19)\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    pass\n"
+# A CPU-bound loop at the lowest priority that ends with the bench: it spins while its parent lives, looking every
+# million iterations (tens of ms), so a bench killed without cleaning up leaves none behind.
+BUSY_LOOP = ("import os, sys\nos.nice(19)\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
+             "    for _ in range(1_000_000):\n        pass\n")  # fmt: skip
 
 
 @contextlib.contextmanager
