@@ -64,6 +64,8 @@ class DraftingOptions:
     draft_costs: DraftCosts | None = None  # the costs "cost" weighs; None: learned from the rounds (`CostModel`)
     prompt_lookup: int = 3  # with a cost-aware length: rounds whose last tokens (up to this many) occurred before
     # verify what followed them there instead of drafting, where that pays (`prompt_lookup`); 0: off
+    tree_nodes: int = 0  # > 0: the native engine's greedy rounds verify a tree of up to this many drafted tokens
+    # (`generation.trees`; with a cost-aware length, as many as pay); 0: a chain. `generate` always verifies a chain
 
     def __post_init__(self):
         pool = self.candidate_pool
@@ -79,6 +81,9 @@ class DraftingOptions:
         lookup = self.prompt_lookup
         if not (isinstance(lookup, int) and not isinstance(lookup, bool) and lookup >= 0):
             raise ValueError(f"prompt_lookup={lookup!r} is invalid: expected 0 (off) or the longest n-gram to match.")
+        nodes = self.tree_nodes
+        if not (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0):
+            raise ValueError(f"tree_nodes={nodes!r} is invalid: expected 0 (chains) or the most tree nodes, >= 1.")
 
     def check_device(self, device: torch.device) -> None:
         """`RuntimeError` if the fused step cannot run on `device`."""
