@@ -4,7 +4,12 @@ The training file lists its prompts in the order the recipe regenerates them, ch
 prompts of the original recipe (2,400 ShareGPT and 1,600 gsm_symbolic prompts, shuffled), then the rest of a larger
 pool of `--sharegpt` and `--gsm` prompts, shuffled. The held-out file holds `--held-out` ShareGPT prompts outside the
 pool, for scoring drafts on regenerated data they never trained on. Every evaluation prompt of `domino-spec bench` is
-excluded, and both files are checked for overlap with them (exact match of the normalised user turn). Usage:
+excluded, and both files are checked for overlap with them (exact match of the normalised user turn).
+
+The order is deterministic: seeded shuffles of lists, never of sets, so the file is byte-identical across runs and
+hash seeds, and piece N of the recipe's committed data (pieces.py) is always the same prompts. Changing the pool, its
+sources or the evaluation sets can reorder it; pieces.py then refuses the committed pieces (their prompts' sha256).
+Usage:
 
     python recipes/smollm2-135m/prepare_prompts.py --output runs/smollm2/prompts.jsonl \\
         --held-out-output runs/smollm2/held_out_prompts.jsonl
