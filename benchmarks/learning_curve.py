@@ -93,6 +93,9 @@ def starts(args: argparse.Namespace) -> dict[str, dict]:
     if args.continues is None:
         return {}
     previous = json.loads(args.continues.read_text())
+    scoring = ("eval_data", "tau_prompts", "tau_tokens")  # a start point scored otherwise is not on the same curve
+    if changed := [key for key in scoring if previous.get("recipe", {}).get(key) != recipe(args)[key]]:
+        raise SystemExit(f"--continues {args.continues} was scored with another {', '.join(changed)}: pass the same")
     found = {}
     for name, flags in args.variant.items():
         if not warm_started(flags):

@@ -89,7 +89,8 @@ def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_cu
     previous = tmp_path / "previous.json"
     points = {f"checkpoint-{step}": {"step": step, "examples": 2 * step, "cpu_hours": step / 1000, "tau": 1.4}
               for step in (500, 1000)}  # fmt: skip
-    previous.write_text(json.dumps({"curves": {"domino": points, "dflash": points}}))
+    scoring = {"eval_data": "h.jsonl", "tau_prompts": 3, "tau_tokens": 128}
+    previous.write_text(json.dumps({"curves": {"domino": points, "dflash": points}, "recipe": scoring}))
     argv = ["--config", "c.yaml", "--data", "d.jsonl", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5",
             "--output", str(tmp_path / "curves.json"), "--continues", str(previous),
             "--variant", "domino=--init_from checkpoints/draft --warmup_steps 10",
@@ -106,3 +107,5 @@ def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_cu
     argv[argv.index("--variant") + 1] = "ablation=--init-from=checkpoints/draft"
     with pytest.raises(SystemExit, match="has no curve 'ablation'"):
         learning_curve.starts(learning_curve.parse_args(argv))
+    with pytest.raises(SystemExit, match="was scored with another tau_tokens"):
+        learning_curve.starts(learning_curve.parse_args([*argv, "--tau-tokens", "96"]))
