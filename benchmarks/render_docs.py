@@ -94,12 +94,13 @@ def caption(report: dict) -> str:
     counts = set(prompts.values())
     which = f"the first {counts.pop()} prompts of each set" if len(counts) == 1 else f"prompts per set: {prompts}"
     identical, checked = identical_counts(report)
+    python = f"Python {machine['python']}, " if machine.get("python") else ""
     return (
         f"Batch 1, greedy, after a warm-up: {which}, at most {config['max_new_tokens']} new tokens, "
         f"{config['dtype']} target {'prepared by' if config.get('cpu_optimization') else 'without'} "
         "`optimize_for_cpu`, "
         f"{machine['cpu_threads']} threads of an {machine['processor']} {machine['device'].upper()}, "
-        f"torch {versions['torch']}, transformers {versions['transformers']}"
+        f"{python}torch {versions['torch']}, transformers {versions['transformers']}"
         f"{', beside a low-priority CPU-bound process' if config.get('background_load') else ''}. "
         f"{identical} of {checked} outputs identical to plain decoding."
     )
