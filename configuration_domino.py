@@ -33,6 +33,13 @@ def _is_positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
+# The published (SGLang) layout's config and weight names differ from ours; the package converts it.
+PUBLISHED_FORMAT_ERROR = (
+    "This is a published Domino / DFlash checkpoint (model_type 'qwen3' with a dflash_config), which the model code "
+    "does not read: load it with the package (`pip install domino-spec`), `domino_spec.published_format.load_draft`."
+)
+
+
 def _check(condition: bool, field: str, value, expected: str) -> None:
     if not condition:
         raise ValueError(f"DominoConfig.{field}={value!r} is invalid: expected {expected}.")
@@ -63,7 +70,7 @@ class DominoConfig(PretrainedConfig):
 
     The draft reads the target's token embeddings and LM head at call time, so its `hidden_size` and
     `vocab_size` are the target's. Defaults are the published Qwen3-8B draft (5 layers, block 16).
-    Use [`DominoDraftModel.from_target`] to build a config matched to any Hugging Face causal LM.
+    `domino_spec.draft_building.config_for_target` builds a config matched to any Hugging Face causal LM.
 
     Example:
 
@@ -119,6 +126,8 @@ class DominoConfig(PretrainedConfig):
     attribute_map = {"emb_dim": "residual_rank", "pure_draft_prefix_len": "first_corrected_slot"}
 
     def __post_init__(self, **kwargs):
+        if "dflash_config" in kwargs:
+            raise ValueError(PUBLISHED_FORMAT_ERROR)
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:

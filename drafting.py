@@ -1,5 +1,5 @@
-"""Run-time options of drafting, the cost-aware draft length (how many of a block's drafts to verify), prompt lookup
-rounds, and compiled drafting.
+"""Run-time options of drafting, the cost-aware draft length (how many of a block's drafts to verify), and prompt
+lookup rounds.
 
 A verify pass over the anchor and k drafts takes `verify_seconds[k]`, which on a CPU grows with k, and commits in
 expectation `1 + sum_{i<=k} c_1 ... c_i` tokens, `c_i` the draft's confidence in its i-th token (the probability
@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from .cache_domino import DominoContextCache
-from .head_step_triton import kernel_runs_on, triton_available
 
 DRAFT_LENGTHS = ("auto", "cost", "full")  # auto: cost-aware on CPU, the whole block elsewhere
 
@@ -57,7 +56,6 @@ class DraftingOptions:
     """
 
     candidate_pool: int = 0  # > 0: greedy slots correct only their best base tokens, the rest get -inf (0: all)
-    fused_step: bool = False  # greedy pooled drafting on CUDA: one Triton kernel per slot (needs a pool)
     gate_table_max_bytes: int = 256 * 2**20  # precompute every draft token's GRU input gates when at most this big
     draft_length: str = "auto"  # "cost": verify as many drafts as pay (`choose_draft_length`); "full": all of them;
     # "auto": "cost" on CPU, "full" on accelerators, where a verify pass costs about the same for any block
@@ -71,11 +69,6 @@ class DraftingOptions:
         pool = self.candidate_pool
         if not (isinstance(pool, int) and not isinstance(pool, bool) and pool >= 0):
             raise ValueError(f"candidate_pool={pool!r} is invalid: expected 0 (off) or a pool size >= 1.")
-        if not isinstance(self.fused_step, bool) or (self.fused_step and not pool):
-            raise ValueError(
-                f"fused_step={self.fused_step!r} is invalid: expected False, or True with candidate_pool > 0 (the "
-                "fused step corrects a candidate pool)."
-            )
         if self.draft_length not in DRAFT_LENGTHS:
             raise ValueError(f"draft_length={self.draft_length!r} is invalid: expected one of {DRAFT_LENGTHS}.")
         lookup = self.prompt_lookup
@@ -84,14 +77,6 @@ class DraftingOptions:
         nodes = self.tree_nodes
         if not (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0):
             raise ValueError(f"tree_nodes={nodes!r} is invalid: expected 0 (chains) or the most tree nodes, >= 1.")
-
-    def check_device(self, device: torch.device) -> None:
-        """`RuntimeError` if the fused step cannot run on `device`."""
-        if self.fused_step and not kernel_runs_on(device):
-            raise RuntimeError(
-                f"fused_step runs a Triton kernel on CUDA, but the draft is on {device} and Triton is "
-                f"{'installed' if triton_available() else 'not installed'}: draft with fused_step=False there."
-            )
 
     def cost_aware(self, device: torch.device) -> bool:
         return self.draft_length == "cost" or (self.draft_length == "auto" and device.type == "cpu")
@@ -482,41 +467,7 @@ def draft_round(
     return DraftRound(block.tokens[:, :num_drafts], block.logits[:, :num_drafts])
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
-
-
-class CompiledDrafting:
-    """What `DominoDraftModel.compile_drafting` builds: the compiled backbone and greedy head (not modules)."""
-
-    def __init__(self, backbone: Callable[..., torch.Tensor], greedy_head: Callable[..., tuple], mode: str,
-                 dynamic_backbone: bool):  # fmt: skip
-        # With dynamic shapes, CUDA graphs would still be recorded once per context length: compile without them.
-        backbone_mode = _WITHOUT_CUDA_GRAPHS.get(mode, mode) if dynamic_backbone else mode
-        self._backbone_graphs = backbone_mode in _WITHOUT_CUDA_GRAPHS
-        self._backbone = torch.compile(backbone, mode=backbone_mode, dynamic=dynamic_backbone)
-        self._greedy_head = torch.compile(greedy_head, mode=mode, dynamic=False)
-
-    def backbone(self, *args) -> torch.Tensor:
-        """`DominoDraftModel.backbone`, compiled."""
-        if not self._backbone_graphs:
-            return self._backbone(*args)
-        torch.compiler.cudagraph_mark_step_begin()
-        return self._backbone(*args).clone()  # the head's graph must not read a buffer a later replay rewrites
-
-    def greedy_head(self, base_logits, draft_hidden, anchor_embeds, weights, *static) -> tuple[torch.Tensor, ...]:
-        """The greedy head (`head_domino.greedy_head`), compiled; returns tensors the caller owns."""
-        for tensor in weights:
-            if isinstance(tensor, torch.Tensor):
-                # Weights keep their address across calls: CUDA graphs read them in place instead of copying them
-                # into the graph's input buffers every call (parameters are marked so by torch.compile already).
-                torch._dynamo.mark_static_address(tensor)
-        torch.compiler.cudagraph_mark_step_begin()  # a new drafting round: earlier graph outputs may be overwritten
-        outputs = self._greedy_head(base_logits, draft_hidden, anchor_embeds, weights, *static)
-        return tuple(output.clone() for output in outputs)  # the next replay overwrites a CUDA graph's outputs
-
-
-__all__ = ["COMPILE_MODES", "DRAFT_LENGTHS", "CompiledDrafting", "CostAwareDrafting", "CostModel", "DeviceClock",
+__all__ = ["DRAFT_LENGTHS", "CostAwareDrafting", "CostModel", "DeviceClock",
            "DraftCosts", "DraftRound", "DraftSampling", "DraftingOptions", "certain_logits", "choose_draft_length",
            "cost_aware_drafting", "draft_round", "expected_rates", "forget_draft_costs", "learned_costs",
            "prompt_lookup"]  # fmt: skip

@@ -9,14 +9,13 @@ Two paths share one GRU recurrence (`gru_cell`):
 - `DominoHead.draft`, the slot loop of a drafting round, the GRU reading each drafted token. What does not depend
   on the drafted tokens is computed once per block (`block_inputs`) or once per weight version (`DerivedTensors`),
   so a slot costs one small matmul, a rank-R product and a pick. Greedy drafting (`greedy_head`) is a pure tensor
-  function that `torch.compile` captures whole; on CUDA a Triton kernel can run each pooled slot
-  (`head_step_triton.py`).
+  function that `torch.compile` captures whole (`domino_spec.generation.compiled_drafting`); on CUDA a Triton kernel
+  can run each pooled slot (`domino_spec.generation.fused_head_step`).
 
 Logits live in the draft vocabulary: the token ids a draft may propose (`vocab`, index -> token id; the whole
 vocabulary when None), whose rows of the LM head and of `W_up` the draft keeps.
 
-Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch (and Triton
-through `head_step_triton.py`, where it is installed).
+Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch.
 """
 
 import weakref
@@ -29,7 +28,6 @@ from torch import nn
 
 from .configuration_domino import DominoConfig
 from .drafting import DraftingOptions, DraftSampling
-from .head_step_triton import head_step
 
 # Shapes: M rows (sequences, or blocks in training), S slots (drafts per block), V draft vocabulary, D hidden,
 # G GRU state, R rank of the logit residual, P candidate pool.
@@ -263,31 +261,6 @@ def _pooled_outputs(
     return torch.cat([uncorrected, spread], dim=1), confidence
 
 
-def fused_pooled_slot_loop(
-    base_logits: torch.Tensor, block: BlockInputs, weights: HeadWeights, first_corrected: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`slot_loop` for greedy drafting with a candidate pool, one Triton launch per slot (`head_step_triton`).
-
-    Each pool token's GRU input gates are looked up once per block instead of once per slot, so a slot is the launch
-    alone. Slots before `first_corrected` draft their base argmax: it goes first in their pool.
-    """
-    num_slots = base_logits.shape[1]
-    pool_ids = block.pool_ids.clone()
-    pool_ids[:, :first_corrected, 0] = base_logits[:, :first_corrected].argmax(dim=-1)
-    pool_gates = input_gates(weights, pool_ids).contiguous()  # [M, S, P, 3G]
-    indices = pool_ids[:, :, 0].contiguous()  # [M, S]: the kernel writes the corrected slots'
-    pool_logits = torch.empty_like(block.pool_base)  # [M, S, P]
-    state = block.state.contiguous()
-    projected = F.linear(state, weights.state_weight)  # [M, 3G + R]: slot 0's, the only matmul outside the kernel
-    for slot in range(num_slots):
-        projected, state = head_step(
-            projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, indices, pool_logits,
-            block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
-        )  # fmt: skip
-    logits, confidence = _pooled_outputs(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
-    return token_ids(indices, weights.vocab), logits, confidence
-
-
 def greedy_head(
     base_logits: torch.Tensor,
     draft_hidden: torch.Tensor,
@@ -295,14 +268,10 @@ def greedy_head(
     weights: HeadWeights,
     first_corrected: int,
     pool_size: int = 0,
-    fused_step: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy drafting of a block as one pure tensor function (what `compile_drafting` captures): `slot_loop`, or
-    `fused_pooled_slot_loop` with `fused_step` (needs a pool)."""
-    block = block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
-    if fused_step:
-        return fused_pooled_slot_loop(base_logits, block, weights, first_corrected)
-    return slot_loop(base_logits, block, weights, first_corrected)
+    """Greedy drafting of a block as one pure tensor function (what `compile_drafting` captures): `slot_loop`."""
+    return slot_loop(base_logits, block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size), weights,
+                     first_corrected)  # fmt: skip
 
 
 def base_drafts(
@@ -418,20 +387,19 @@ class DominoHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a block: token ids `[M, S]`, the logits each was picked from and its confidence (`slot_loop`).
 
-        Greedy drafting (no `choose`, no `sampling`) follows `options` (a candidate pool, the fused step) and runs
-        `greedy` (the compiled `greedy_head` after `compile_drafting`); `sampling`, a `choose` (processed drafting),
-        and greedy drafting over the `whole_vocabulary` (the training-time test) score every draft token, since a
-        logits processor may mask every token of a pool and sampling may draw any.
+        Greedy drafting (no `choose`, no `sampling`) follows `options` (a candidate pool) and runs `greedy`
+        (`greedy_head`, or the draft's compiled or fused one); `sampling`, a `choose` (processed drafting), and greedy
+        drafting over the `whole_vocabulary` (the training-time test) score every draft token, since a logits
+        processor may mask every token of a pool and sampling may draw any.
         """
         if choose is not None or sampling is not None or whole_vocabulary:
             weights = self.weights(embed_tokens, vocab, base_logits.dtype, options, whole_vocabulary=True)
             block = block_inputs(base_logits, draft_hidden, anchor_embeds, weights)
             return slot_loop(base_logits, block, weights, self.first_corrected_slot, choose, vocab_size, sampling,
                              generator)  # fmt: skip
-        options.check_device(base_logits.device)
         weights = self.weights(embed_tokens, vocab, base_logits.dtype, options)
         return greedy(base_logits, draft_hidden, anchor_embeds, weights, self.first_corrected_slot,
-                      options.candidate_pool, options.fused_step)  # fmt: skip
+                      options.candidate_pool)  # fmt: skip
 
 
 __all__ = [
@@ -441,7 +409,6 @@ __all__ = [
     "HeadWeights",
     "base_drafts",
     "block_inputs",
-    "fused_pooled_slot_loop",
     "greedy_head",
     "gru_cell",
     "input_gates",

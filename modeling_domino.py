@@ -5,7 +5,9 @@ logits for the whole block (paper eq. 1); the head (`head_domino.py`: a GRU over
 map) adds a causal residual to them (eq. 2-3), so the sequential part never re-runs the LM head.
 
 This file and the root files it imports are copied into every saved checkpoint (`trust_remote_code`), so they
-import only torch and transformers (and Triton where installed, for the optional fused head step).
+import only torch and transformers. The package (`domino_spec`) adds what a checkpoint does not need: conversion from
+and to the published format (`published_format.load_draft`), compiled drafting and the fused head step
+(`generation/`), building a draft for a target (`draft_building.py`).
 """
 
 import os
@@ -30,8 +32,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import ModelOutput
 
 from .cache_domino import DominoContextCache
-from .configuration_domino import DominoConfig, check_input_ids
-from .drafting import COMPILE_MODES, CompiledDrafting, DraftingOptions, DraftSampling
+from .configuration_domino import PUBLISHED_FORMAT_ERROR, DominoConfig, check_input_ids
+from .drafting import DraftingOptions, DraftSampling
 from .generation_domino import DominoCandidateGenerator, candidate_generator
 from .head_domino import (
     Chooser,
@@ -42,7 +44,6 @@ from .head_domino import (
     slot_chooser,
     to_target_vocabulary,
 )
-from .published_format import check_checkpoint_folder, load_converted, needs_conversion
 
 # Shapes: B batch, N blocks per sequence, K block size, S drafts per block, T context length, D hidden,
 # V vocabulary (the draft's, a subset of the target's), Hq/Hkv attention heads, Dh head dim.
@@ -275,6 +276,8 @@ class DominoDraftModel(PreTrainedModel):
     accepts_loss_kwargs = False
 
     def __init__(self, config: DominoConfig):
+        if getattr(config, "dflash_config", None) is not None:  # AutoModel passes a published folder's Qwen3Config
+            raise ValueError(PUBLISHED_FORMAT_ERROR)
         super().__init__(config)
         hidden_size = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * hidden_size, hidden_size, bias=False)
@@ -296,147 +299,7 @@ class DominoDraftModel(PreTrainedModel):
             for weight in (module.weight_ih_l0, module.weight_hh_l0):
                 init.uniform_(weight, -bound, bound)
 
-    # ------------------------------------------------------------------ building and checking
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "DominoDraftModel":
-        """`PreTrainedModel.from_pretrained`, which also reads published Domino and z-lab DFlash checkpoints, and
-        our own older layout (the head's weights at the top level).
-
-        Such folders are converted by `published_format.load_converted`; DFlash drafts load with the head off and
-        `shift_label=False`. A local folder is checked first, so a missing `config.json` or weights file, or a
-        truncated safetensors file, is named in the error.
-        """
-        if pretrained_model_name_or_path is None:
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        path = str(pretrained_model_name_or_path)
-        if os.path.isdir(path):
-            check_checkpoint_folder(os.path.join(path, kwargs.get("subfolder") or ""))
-        if needs_conversion(path, **kwargs):
-            return load_converted(cls, path, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-
-    @classmethod
-    def from_target(
-        cls, target: PreTrainedModel, num_hidden_layers: int = 1, block_size: int = 16, tokenizer=None,
-        draft_vocab: torch.Tensor | list[int] | None = None, **overrides,
-    ) -> "DominoDraftModel":  # fmt: skip
-        """A randomly initialised draft matched to `target` (any HF causal LM: Qwen3, Qwen2, Llama, ...), of the config
-        `config_for_target` gives; `draft_vocab` (token ids, the most frequent first) limits what it proposes."""
-        if draft_vocab is not None:
-            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
-            overrides["draft_vocab_size"] = draft_vocab.numel()
-        config = cls.config_for_target(target, num_hidden_layers, block_size, tokenizer, **overrides)
-        # Built in the target's dtype, not cast to it: a cast would also round the RoPE frequencies (a float buffer) to
-        # bf16, while from_pretrained keeps them in fp32, so the trained and the served draft would rotate differently.
-        draft = cls._from_config(config, dtype=target.dtype)
-        with torch.no_grad():
-            if draft_vocab is not None:
-                draft.set_draft_vocab(draft_vocab)
-            # Start the final norm at the target's, so base logits begin on the LM head's scale.
-            target_norm = getattr(getattr(target.get_decoder(), "norm", None), "weight", None)
-            if isinstance(target_norm, torch.Tensor) and target_norm.shape == draft.norm.weight.shape:
-                draft.norm.weight.copy_(target_norm)
-        return draft.to(device=target.device)
-
-    @torch.no_grad()
-    def copy_target_layers(self, target: PreTrainedModel, layer_ids: list[int]) -> None:
-        """Start draft layer i as target layer `layer_ids[i]`: every weight the two share by name and shape (the
-        attention and MLP projections, the norms). A draft layer's own `q_norm`/`k_norm` stay as they are where the
-        target has none (Llama)."""
-        target_layers = target.get_decoder().layers
-        if len(layer_ids) != len(self.layers) or not all(0 <= i < len(target_layers) for i in layer_ids):
-            raise ValueError(
-                f"copy_target_layers needs one target layer in [0, {len(target_layers) - 1}] per draft layer "
-                f"({len(self.layers)}), got {layer_ids}."
-            )
-        for layer, index in zip(self.layers, layer_ids):
-            source = dict(target_layers[index].named_parameters())
-            for name, parameter in layer.named_parameters():
-                if name in source and source[name].shape == parameter.shape:
-                    parameter.copy_(source[name])
-
-    @torch.no_grad()
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Make `token_ids` (the draft's `draft_vocab_size` distinct ids, most frequent first) the draft vocabulary."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
-        size, vocab_size = self.config.draft_vocab_size, self.config.vocab_size
-        if (token_ids.shape != (size,) or token_ids.unique().numel() != size or int(token_ids.min()) < 0
-                or int(token_ids.max()) >= vocab_size):  # fmt: skip
-            raise ValueError(
-                f"draft_vocab must hold {size} distinct token ids in [0, {vocab_size - 1}] (draft_vocab_size and "
-                f"vocab_size of the config), got a tensor of shape {tuple(token_ids.shape)}."
-            )
-        self.draft_vocab.copy_(token_ids)
-
-    @torch.no_grad()
-    def with_draft_vocab(self, token_ids: torch.Tensor | list[int]) -> "DominoDraftModel":
-        """A new draft that proposes only `token_ids` (distinct, the most frequent first): this draft's weights, the
-        head's `W_up` rows of those tokens. Without a candidate pool it drafts what this one drafts wherever this
-        one's pick is among them."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
-        current = self.draft_vocab
-        if current is None:
-            current = torch.arange(self.config.vocab_size, device=token_ids.device)
-        rows = _index_of(current, self.config.vocab_size, missing=-1)[token_ids.clamp(0, self.config.vocab_size - 1)]
-        if (rows < 0).any() or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
-            raise ValueError(
-                f"a draft vocabulary must lie within the draft's own ({current.numel()} tokens): the head has no "
-                "residual row for the others."
-            )
-        config = type(self.config).from_dict({**self.config.to_dict(), "draft_vocab_size": token_ids.numel()})
-        draft = type(self)._from_config(config, dtype=self.dtype).to(self.fc.weight.device)  # RoPE stays in fp32
-        draft.set_draft_vocab(token_ids)
-        state_dict = {**self.state_dict(), "draft_vocab": draft.draft_vocab}
-        if self.head is not None:
-            state_dict["head.embed_proj.2.weight"] = state_dict["head.embed_proj.2.weight"][rows]
-        draft.load_state_dict(state_dict)
-        draft.drafting_options = self.drafting_options
-        return draft.train(self.training)
-
-    @staticmethod
-    def config_for_target(
-        target: PreTrainedModel, num_hidden_layers: int = 1, block_size: int = 16, tokenizer=None, **overrides
-    ) -> DominoConfig:
-        """The config of a draft matched to `target`.
-
-        Layer shapes, vocabulary, RoPE and layer count come from the target. The head defaults scale the published
-        Qwen3-8B head (hidden 4096: GRU 1024, rank 256) to the target's width. The mask token is the first embedding
-        row past the tokenizer (as Qwen3's published 151669) when `tokenizer` is given and the embedding matrix has
-        padding rows, else the last row (a padding or reserved token in Qwen and Llama-3 vocabularies). Any config
-        field can be overridden, e.g. `target_layer_ids=[1, 5, 9]` or `mask_token_id=...`.
-        """
-        text_config = target.config.get_text_config()
-        hidden_size = text_config.hidden_size
-        num_heads = text_config.num_attention_heads
-        vocab_size = target.get_input_embeddings().weight.shape[0]
-        if tokenizer is not None and len(tokenizer) < vocab_size:
-            mask_token_id = len(tokenizer)
-        else:
-            mask_token_id = vocab_size - 1
-        rope_parameters = getattr(text_config, "rope_parameters", None)
-        fields = {
-            "hidden_size": hidden_size,
-            "intermediate_size": text_config.intermediate_size,
-            "num_hidden_layers": num_hidden_layers,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": getattr(text_config, "num_key_value_heads", None) or num_heads,
-            "head_dim": getattr(text_config, "head_dim", None) or hidden_size // num_heads,
-            "hidden_act": getattr(text_config, "hidden_act", "silu"),
-            "max_position_embeddings": text_config.max_position_embeddings,
-            "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
-            "rope_parameters": dict(rope_parameters) if rope_parameters else None,
-            "num_target_layers": text_config.num_hidden_layers,
-            "vocab_size": vocab_size,
-            "mask_token_id": mask_token_id,
-            "block_size": block_size,
-            "gru_hidden_dim": max(hidden_size // 4, 8),
-            "residual_rank": max(hidden_size // 16, 8),
-            # The Hub id, where a local conversion records one: portable, and what model cards cite.
-            "target_model_name": _converted_from(target) or getattr(target, "name_or_path", None) or None,
-        }
-        fields.update(overrides)
-        return DominoConfig(**fields)
+    # ------------------------------------------------------------------ checking
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise `ValueError` if `target` is not the model this draft was built for, or not on the draft's device."""
@@ -690,7 +553,7 @@ class DominoDraftModel(PreTrainedModel):
             mask = torch.cat([past_key_values.attention_mask, block_mask], dim=-1)[:, None, None, :]
         context = list(zip(past_key_values.keys, past_key_values.values))
         block_embeds = embed_tokens(block_ids)
-        compiled = self.__dict__.get("_compiled_drafting")
+        compiled = self.__dict__.get("_compiled_drafting")  # `domino_spec.generation.compile_drafting`: not saved
         backbone = self.backbone if compiled is None else compiled.backbone
         draft_hidden = self._draft_slots(backbone(block_embeds, position_ids, context, mask))  # [B, S, D]
         return DominoBlock(self.base_logits(draft_hidden, lm_head).float(), draft_hidden, block_embeds[:, 0])
@@ -762,8 +625,8 @@ class DominoDraftModel(PreTrainedModel):
         sampling: DraftSampling | None = None,
         generator: torch.Generator | None = None,
     ) -> DominoDraft:
-        """The rest of a drafting round after `block_logits`: the head's slot loop (compiled after
-        `compile_drafting`), or without a head each slot's pick from its base logits. `choose` (processed or sampled
+        """The rest of a drafting round after `block_logits`: the head's slot loop (compiled or fused where the package
+        set that up: `domino_spec.generation`), or without a head each slot's pick from its base logits. `choose` (processed or sampled
         drafting, `head_domino.slot_chooser`) picks from each slot's logits over the target's vocabulary; `sampling`
         draws from the draft vocabulary's; neither is greedy."""
         vocab_size = self.config.vocab_size
@@ -771,10 +634,12 @@ class DominoDraftModel(PreTrainedModel):
             tokens, logits, confidence = base_drafts(block.base_logits, self.draft_vocab, choose, vocab_size, sampling,
                                                      generator)  # fmt: skip
         else:
+            greedy = self.__dict__.get("_greedy_head", greedy_head)  # fused: `domino_spec.generation.fuse_head_step`
             compiled = self.__dict__.get("_compiled_drafting")
+            greedy = greedy if compiled is None else compiled.greedy_head(greedy)
             tokens, logits, confidence = self.head.draft(
                 *block, embed_tokens, self.draft_vocab, options or self.drafting_options, choose, vocab_size,
-                greedy=greedy_head if compiled is None else compiled.greedy_head, sampling=sampling,
+                greedy=greedy, sampling=sampling,
                 generator=generator,
             )  # fmt: skip
         if choose is None:  # greedy and sampled logits are the draft vocabulary's
@@ -794,43 +659,10 @@ class DominoDraftModel(PreTrainedModel):
 
     def __getstate__(self) -> dict:
         """Pickling and copying (`torch.save(draft)`, multiprocessing, `copy.deepcopy`) leave out compiled drafting
-        (call `compile_drafting` again on the copy)."""
+        (`domino_spec.generation.compile_drafting`: compile the copy again)."""
         state = dict(super().__getstate__())
         state.pop("_compiled_drafting", None)
         return state
-
-    # ------------------------------------------------------------------ compiled drafting
-
-    def compile_drafting(
-        self, mode: str | None = "reduce-overhead", dynamic_backbone: bool = True
-    ) -> "DominoDraftModel":
-        """Compile the drafting hot path with `torch.compile`: the backbone pass and the greedy head. Returns self.
-
-        The greedy head (`greedy_head`: per-block setup and the slot loop, unrolled over the block) has static
-        shapes, so `mode="reduce-overhead"` captures it in one CUDA graph on CUDA: one launch instead of about ten
-        per slot. The backbone's key length grows every round, so with `dynamic_backbone=True` it is compiled for
-        dynamic shapes and without CUDA graphs (which would record one graph per context length);
-        `dynamic_backbone=False` specializes it to each shape in `mode`, CUDA graphs included: for fixed-shape
-        benchmarks only, as every new context length recompiles.
-
-        `draft_block` then runs the compiled backbone on every call and the compiled head for plain greedy
-        drafting (no logits processor, no sampling); other calls keep the eager loop. Compiled kernels may round
-        differently, so a near-tie can flip a draft token; verification keeps decoding lossless either way.
-        Compilation happens on first use (seconds to minutes), again per batch size and drafting options. The
-        compiled functions are plain attributes, not modules: nothing is saved, and `mode=None` goes back to eager.
-        """
-        if mode is None:
-            self.__dict__.pop("_compiled_drafting", None)
-            return self
-        if mode not in COMPILE_MODES:
-            raise ValueError(f"compile_drafting: mode must be one of {list(COMPILE_MODES)} or None, got {mode!r}.")
-        self.__dict__["_compiled_drafting"] = CompiledDrafting(self.backbone, greedy_head, mode, dynamic_backbone)
-        return self
-
-    @property
-    def is_drafting_compiled(self) -> bool:
-        """Whether `compile_drafting` is on."""
-        return "_compiled_drafting" in self.__dict__
 
     def get_candidate_generator(self, target: PreTrainedModel, generation_config, input_ids: torch.LongTensor,
                                 logits_processor=None, model_kwargs: dict | None = None, tokenizer=None,

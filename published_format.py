@@ -1,7 +1,7 @@
 """The published Domino / z-lab DFlash checkpoint format, and checks of checkpoint folders.
 
 All conversion between our `DominoConfig` / state dicts and other layouts lives here, called explicitly: by
-`DominoDraftModel.from_pretrained` when it detects such a folder, and by `domino-spec export`.
+`load_draft` (what the package's commands load drafts with) and by `domino-spec export`.
 
 Published layout (what SGLang serves): `config.json` with `model_type: "qwen3"`, the Qwen3 layer fields,
 `block_size`, `num_target_layers` and a nested `dflash_config` (`mask_token_id`, `target_layer_ids`, and for Domino
@@ -12,8 +12,8 @@ Older Domino checkpoints nest the head under `logit_head.`; some writers prefix 
 older folders have the head at the top level too. The published format has no draft vocabulary: an export drafts
 over the whole vocabulary (`W_up` rows of zeros outside the draft vocabulary).
 
-This file is copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`), so it imports only
-torch, transformers and safetensors.
+Part of the package, not of a checkpoint's code: `modeling_domino.py` does not import it (a published config makes
+`DominoConfig` raise, naming `load_draft`).
 """
 
 import json
@@ -28,6 +28,7 @@ from transformers import Qwen3Config
 from transformers.utils import cached_file
 
 from .configuration_domino import DominoConfig
+from .modeling_domino import DominoDraftModel
 
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -465,6 +466,19 @@ def save_published(model, output_dir: str, dtype: torch.dtype = torch.bfloat16, 
     save_file(weights, os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
+def load_draft(path, model_class: type = DominoDraftModel, **kwargs) -> DominoDraftModel:
+    """`DominoDraftModel.from_pretrained(path, **kwargs)` for any supported checkpoint: our own folders as they are,
+    published Domino and z-lab DFlash ones and our own older layout (the head's weights at the top level) converted
+    (`load_converted`; DFlash drafts load with the head off and `shift_label=False`). A local folder is checked
+    first, so a missing `config.json` or weights file, or a truncated safetensors file, is named in the error."""
+    path = str(path)
+    if os.path.isdir(path):
+        check_checkpoint_folder(os.path.join(path, kwargs.get("subfolder") or ""))
+    if needs_conversion(path, **kwargs):
+        return load_converted(model_class, path, **kwargs)
+    return model_class.from_pretrained(path, **kwargs)
+
+
 __all__ = [
     "SUPPORTED_FORMATS",
     "check_checkpoint_folder",
@@ -472,6 +486,7 @@ __all__ = [
     "config_to_published",
     "detect_format",
     "load_converted",
+    "load_draft",
     "needs_conversion",
     "save_published",
 ]

@@ -15,7 +15,7 @@ of the cost model (S = the block's drafts, `num_draft_tokens`):
 
 On CPU, target and draft first go through `optimize_for_cpu` (every `nn.Linear` runs the fastest of three weight
 layouts per row count), as a speculative decode on CPU should; `--no-cpu-optimization` times eager `nn.Linear`.
-With `--compile`, the backbone, head loop and round are timed again after `draft.compile_drafting()` (keys
+With `--compile`, the backbone, head loop and round are timed again after `compile_drafting(draft)` (keys
 `*_compiled`; on CUDA with the default mode the head loop runs as one captured CUDA graph).
 
 It derives the speedup a round can give at acceptance length tau (tokens committed per round):
@@ -41,10 +41,12 @@ from pathlib import Path
 import torch
 import transformers
 from domino_spec import DominoContextCache, DominoDraftModel
-from domino_spec.drafting import COMPILE_MODES, DraftingOptions
+from domino_spec.draft_building import from_target
+from domino_spec.drafting import DraftingOptions
+from domino_spec.generation.compiled_drafting import COMPILE_MODES, compile_drafting
 from domino_spec.generation.cpu import CPUOptimization, optimize_for_cpu
 from domino_spec.generation.engine import DeviceClock
-from domino_spec.head_step_triton import triton
+from domino_spec.generation.fused_head_step import triton
 from domino_spec.targets import (
     SHAPE_PRESETS,
     default_device,
@@ -72,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("draft_cost.json"), help="results JSON (+ .md beside it)")
-    parser.add_argument("--compile", action="store_true", help="also time drafting after draft.compile_drafting()")
+    parser.add_argument("--compile", action="store_true", help="also time drafting after compile_drafting(draft)")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead")
     parser.add_argument("--head-pool", type=int, default=0, help="DraftingOptions.candidate_pool (0: whole vocabulary)")
     parser.add_argument("--draft-vocab-size", type=int, default=0, help="a draft vocabulary of N tokens (0: none)")
@@ -184,7 +186,7 @@ def measure_draft(
     """Backbone (`block_logits`), head loop (`draft_from_block`) and a whole `draft_block` round under `options`,
     with the prefill's context cached.
 
-    All three run what `draft_block` runs (compiled after `draft.compile_drafting()`); `suffix` names the variant in
+    All three run what `draft_block` runs (compiled after `compile_drafting(draft)`); `suffix` names the variant in
     the keys (e.g. `draft_head_loop_compiled`). With `shared`, also the pieces no variant changes: the context update
     and argmax of the base logits. With `drafted`, the tokens of one round land in it under `suffix`, to compare
     variants that must draft the same tokens.
@@ -237,12 +239,12 @@ def measure_draft(
 def measure_compiled(
     draft: DominoDraftModel, target, prefill, time_it: Callable, mode: str, options: DraftingOptions
 ) -> dict[str, float]:
-    """`measure_draft` after `draft.compile_drafting(mode)` (keys `*_compiled`); leaves the draft eager again."""
-    draft.compile_drafting(mode)
+    """`measure_draft` after `compile_drafting(draft, mode)` (keys `*_compiled`); leaves the draft eager again."""
+    compile_drafting(draft, mode)
     try:
         return measure_draft(draft, target, prefill, time_it, options, suffix="_compiled", shared=False)
     finally:
-        draft.compile_drafting(None)
+        compile_drafting(draft, None)
 
 
 @torch.no_grad()  # what draft_block runs under (not inference_mode, which CUDA-graph capture handles less well)
@@ -290,7 +292,7 @@ def build_models(
     target, _ = load_target(target_name, dtype, device)
     draft_vocab = torch.arange(draft_vocab_size) if draft_vocab_size else None
     with torch.device(device):  # initialising ~1B draft parameters on the CPU would take longer than the GPU run
-        draft = DominoDraftModel.from_target(target, num_hidden_layers=draft_layers, block_size=block_size,
+        draft = from_target(target, num_hidden_layers=draft_layers, block_size=block_size,
                                              draft_vocab=draft_vocab)  # fmt: skip
     return target, draft.eval()
 

@@ -13,9 +13,9 @@ With random weights at Qwen3-8B shapes (target: 36 layers, hidden 4096, vocabula
 bf16) and `--context` tokens in both KV caches, it times, with `draft_cost.py`'s functions: the target's decode step
 and verify passes over the anchor and k drafts for k = 0..16 (`target_verify_k`; `target_verify` is the whole
 block, 17 tokens), the draft's context update, backbone, greedy head loop, argmax of the base logits (what a DFlash
-draft pays anyway) and whole round, eager and after `draft.compile_drafting()` (the head loop captured in a CUDA
+draft pays anyway) and whole round, eager and after `compile_drafting(draft)` (the head loop captured in a CUDA
 graph), for each head candidate pool in `--head-pools` (`DraftingOptions(candidate_pool=...)`; 0: whole
-vocabulary), and for each pool with the fused head step (`DraftingOptions(fused_step=True)`: one Triton kernel per
+vocabulary), and for each pool with the fused head step (`fuse_head_step(draft)`: one Triton kernel per
 slot; CUDA with Triton only, `--no-fused` skips it).
 
 Each compiled or fused variant's tokens of one round are compared with those of the eager, unfused loop with the same
@@ -43,8 +43,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
 import draft_cost  # noqa: E402
 
-from domino_spec import head_step_triton  # noqa: E402
 from domino_spec.drafting import DraftingOptions  # noqa: E402
+from domino_spec.generation import compile_drafting, fuse_head_step  # noqa: E402
+from domino_spec.generation import fused_head_step as head_step_triton  # noqa: E402
 from domino_spec.generation.engine import DeviceClock  # noqa: E402
 from domino_spec.targets import SHAPE_PRESETS, default_device  # noqa: E402
 
@@ -95,10 +96,10 @@ def head_variants(args: argparse.Namespace) -> list[tuple[int, bool]]:
     return [(pool, False) for pool in args.head_pools] + [(pool, True) for pool in args.head_pools if pool and fused]
 
 
-def drafting_options(args: argparse.Namespace, pool: int = 0, fused: bool = False) -> DraftingOptions:
-    """The `DraftingOptions` of a head variant, with `--gate-table-mib`."""
+def drafting_options(args: argparse.Namespace, pool: int = 0) -> DraftingOptions:
+    """The `DraftingOptions` of a head variant, with `--gate-table-mib` (fused or not is the draft's: `fuse_head_step`)."""
     table = {} if args.gate_table_mib is None else {"gate_table_max_bytes": args.gate_table_mib * 2**20}
-    return DraftingOptions(candidate_pool=pool, fused_step=fused, **table)
+    return DraftingOptions(candidate_pool=pool, **table)
 
 
 def variant_suffix(pool: int, fused: bool, compiled: bool) -> str:
@@ -175,7 +176,7 @@ def measure(
     if not args.compile:
         return timings
     timer.log(f"compile_drafting({args.compile_mode!r}): each variant's first call compiles")
-    draft.compile_drafting(args.compile_mode)
+    compile_drafting(draft, args.compile_mode)
     # Each variant compiles the head again: past dynamo's recompile limit (8) one would silently run eager under a
     # compiled name. Room for every variant, and a variant that still hits it fails (recorded in `errors`).
     limit = max(torch._dynamo.config.recompile_limit, 2 * len(head_variants(args)))
@@ -183,7 +184,7 @@ def measure(
         with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
             measure_variants(draft, target, prefill, args, timer, report, timings, drafted, errors, compiled=True)
     finally:
-        draft.compile_drafting(None)
+        compile_drafting(draft, None)
     return timings
 
 
@@ -197,11 +198,14 @@ def measure_variants(
         shared = "draft_argmax" not in timings
         suffix = variant_suffix(pool, fused, compiled)
         try:
-            options = drafting_options(args, pool, fused)
+            options = drafting_options(args, pool)
+            fuse_head_step(draft, fused)
             timings |= draft_cost.measure_draft(draft, target, prefill, timer, options, suffix, shared, drafted)
         except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
             traceback.print_exc()
             errors[variant_name(suffix)] = f"{type(error).__name__}: {error}"
+        finally:
+            fuse_head_step(draft, False)
         report(timings)
 
 
@@ -258,8 +262,8 @@ def markdown(results: dict) -> str:
         "",
         draft_cost.environment_line(results["environment"]),
         "",
-        f"Head candidate pools {pools} (0: whole vocabulary); fused: `DraftingOptions(fused_step=True)` (one Triton "
-        f"kernel per slot); compiled: `draft.compile_drafting({settings['compile_mode']!r})`; GRU input gate table "
+        f"Head candidate pools {pools} (0: whole vocabulary); fused: `fuse_head_step(draft)` (one Triton "
+        f"kernel per slot); compiled: `compile_drafting(draft, {settings['compile_mode']!r})`; GRU input gate table "
         f"{'used' if results['model']['gru_input_table'] else 'not used (too big)'}. Run took "
         f"{results['elapsed_s']:.0f} s.",
         "",

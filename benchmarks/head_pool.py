@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from domino_spec import DominoDraftModel
 from domino_spec.drafting import DraftingOptions
 from domino_spec.generation import speculative_generate
+from domino_spec.published_format import load_draft
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
 import draft_cost  # noqa: E402
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     target, tokenizer = load_target(args.target)
     draft_dir = args.draft or SHIPPED_DRAFT
-    draft = DominoDraftModel.from_pretrained(draft_dir, dtype=target.dtype).to(target.device).eval()
+    draft = load_draft(draft_dir, dtype=target.dtype).to(target.device).eval()
     prompts = {
         name: [
             torch.tensor([prompt_token_ids(tokenizer, item["messages"])], device=target.device)

@@ -38,9 +38,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from domino_spec import DominoDraftModel, DraftingOptions
+from domino_spec import DraftingOptions
 from domino_spec.generation import speculative_generate
 from domino_spec.generation.eval_sets import EVAL_SETS, eval_prompts
+from domino_spec.published_format import load_draft
 from domino_spec.targets import eos_token_ids, load_target, pad_token_id, prompt_token_ids
 from domino_spec.training.train import load_checked_data, parse_train_arguments
 from domino_spec.training.collator import DominoDataCollator
@@ -179,7 +180,7 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
     for checkpoint in checkpoints(args, name):
         if checkpoint.name in points:
             continue
-        draft = DominoDraftModel.from_pretrained(checkpoint, dtype=target.dtype).to(target.device).eval()
+        draft = load_draft(checkpoint, dtype=target.dtype).to(target.device).eval()
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         examples = state["global_step"] * state["train_batch_size"]
         points[checkpoint.name] = {

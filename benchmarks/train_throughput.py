@@ -23,7 +23,7 @@ import datasets
 import torch
 import transformers
 
-from domino_spec import DominoDraftModel
+from domino_spec.draft_building import from_target
 from domino_spec.generation.engine import DeviceClock
 from domino_spec.targets import SHAPE_PRESETS, default_device, load_target
 from domino_spec.training.collator import DominoDataCollator
@@ -50,7 +50,7 @@ def time_training(target, dataset, args, feature_store: FeatureStore | None, dra
     """Seconds per optimizer step, after one untimed warmup step; a draft vocabulary of its first ids, when sized."""
     torch.manual_seed(args.seed)
     draft_vocab = torch.arange(draft_vocab_size) if draft_vocab_size else None
-    draft = DominoDraftModel.from_target(target, num_hidden_layers=args.draft_layers, block_size=args.block_size,
+    draft = from_target(target, num_hidden_layers=args.draft_layers, block_size=args.block_size,
                                          draft_vocab=draft_vocab)  # fmt: skip
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = DominoTrainingArguments(
@@ -107,7 +107,7 @@ def main() -> None:
 
     online = time_training(target, dataset, args, None)
     with tempfile.TemporaryDirectory() as store_dir:
-        layer_ids = DominoDraftModel.from_target(target, num_hidden_layers=args.draft_layers).config.target_layer_ids
+        layer_ids = from_target(target, num_hidden_layers=args.draft_layers).config.target_layer_ids
         start = time.perf_counter()
         store = FeatureStore.build(target, dataset, layer_ids, store_dir)
         feature_seconds = (time.perf_counter() - start) / len(dataset)

@@ -17,8 +17,7 @@ import sys
 from collections.abc import Iterator
 
 from ..drafting import DRAFT_LENGTHS, DraftingOptions
-from ..modeling_domino import DominoDraftModel
-from ..published_format import check_draft_folder, draft_config
+from ..published_format import check_draft_folder, draft_config, load_draft
 from ..targets import eos_token_ids, load_target
 from .bench import DRAFT_OF, METHODS, NATIVE_METHODS, Setting, run_bench, tokenized_prompts
 from .bench_report import write_results
@@ -180,7 +179,7 @@ def bench_report(args: argparse.Namespace, settings: list[Setting], methods: lis
     """Load the models, run the bench in every setting (and, with `--cold`, every first call in a fresh process);
     the report, every row with its settings as columns."""
     target, tokenizer = load_target(args.target)
-    drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+    drafts = {name: load_draft(folder, dtype=target.dtype).to(target.device).eval()
               for name, folder in folders.items()}  # fmt: skip
     drafting_options = DraftingOptions(draft_length=args.draft_length, prompt_lookup=args.prompt_lookup)
     for draft in drafts.values():

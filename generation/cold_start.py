@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..drafting import DraftingOptions
-from ..modeling_domino import DominoDraftModel
+from ..published_format import load_draft
 from ..targets import load_target
 from .bench import DRAFT_OF, MethodRun, Setting, decode, reference_method, sampling_generator, setting_results
 from .cpu import optimize_for_cpu
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.load(file)
     torch.set_num_threads(spec["threads"])  # as the parent's warm runs
     target, _ = load_target(spec["target"])
-    drafts = {name: DominoDraftModel.from_pretrained(folder, dtype=target.dtype).to(target.device).eval()
+    drafts = {name: load_draft(folder, dtype=target.dtype).to(target.device).eval()
               for name, folder in spec["drafts"].items()}  # fmt: skip
     for draft in drafts.values():
         draft.drafting_options = DraftingOptions(**spec["drafting_options"])

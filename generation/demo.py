@@ -10,7 +10,8 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, TextStreamer
 
-from ..modeling_domino import DominoDraftModel
+from ..draft_building import from_target
+from ..published_format import load_draft
 from .cpu import optimize_for_cpu
 from .engine import speculative_generate
 
@@ -30,7 +31,7 @@ def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, m
     stage("loading the target, SmolLM2-135M-Instruct (the first run converts the asset's GGUF file once)")
     target, tokenizer = load_target("smollm2-135m")
     stage(f"loading the draft from {draft_dir}")
-    draft = DominoDraftModel.from_pretrained(draft_dir, dtype=target.dtype).to(target.device).eval()
+    draft = load_draft(draft_dir, dtype=target.dtype).to(target.device).eval()
     input_ids = torch.tensor([prompt_token_ids(tokenizer, [{"role": "user", "content": question}])], device=target.device)
     if target.device.type == "cpu":
         stage("timing three layouts of every weight for multi-token passes on this CPU (optimize_for_cpu)")
@@ -69,7 +70,7 @@ def run_tiny_demo(max_new_tokens: int = 64, seed: int = 0) -> None:
         head_dim=16,
     )
     target = Qwen3ForCausalLM(config).eval()
-    draft = DominoDraftModel.from_target(target, num_hidden_layers=1, block_size=8).eval()
+    draft = from_target(target, num_hidden_layers=1, block_size=8).eval()
     prompt = torch.randint(0, 250, (1, 12))
     start = time.perf_counter()
     plain = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)

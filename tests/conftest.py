@@ -46,6 +46,7 @@ from transformers import (  # noqa: E402
 )
 
 from domino_spec import DominoDraftModel  # noqa: E402
+from domino_spec.draft_building import from_target  # noqa: E402
 
 # Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads fighting other processes
 # slow everything down by orders of magnitude.
@@ -84,7 +85,7 @@ def tiny_draft(target, seed: int = 1, **overrides) -> DominoDraftModel:
     torch.manual_seed(seed)
     fields = dict(num_hidden_layers=2, block_size=4, target_layer_ids=[1, 3], gru_hidden_dim=32, residual_rank=16)
     fields.update(overrides)
-    return DominoDraftModel.from_target(target, **fields).eval()
+    return from_target(target, **fields).eval()
 
 
 @pytest.fixture(params=["qwen3", "llama"])

@@ -8,6 +8,7 @@ from conftest import tiny_draft, tiny_target, tiny_tokenizer
 from speculative_helpers import OracleDraft
 
 from domino_spec import DraftingOptions
+from domino_spec.draft_building import from_target
 from domino_spec.generation import pooled_position_rates, speculative_generate
 from domino_spec.generation.bench import METHODS, NATIVE_METHODS, MethodRun, run_bench, with_baselines
 from domino_spec.generation.bench_report import write_results
@@ -78,7 +79,8 @@ def test_bench_compares_with_plain_in_any_method_order_and_pools_the_engines_pos
     tokenizer = tiny_tokenizer()
     messages = [[{"role": "user", "content": text}] for text in ("hello there", "what is 3 + 4?")]
     prompts = {"set": [{"id": str(i), "messages": m, "reference": None} for i, m in enumerate(messages)]}
-    oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3]).double()
+    oracle = from_target(target, draft_class=OracleDraft, num_hidden_layers=1, block_size=4,
+                         target_layer_ids=[1, 3]).double()
     prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, m, None)]) for m in messages]
     oracle.set_sequences([target.generate(ids, max_new_tokens=40, do_sample=False)[0].tolist() for ids in prompt_ids])
     oracle.drafting_options = DraftingOptions(draft_length="full")  # every round drafts, whatever the machine's costs

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import load_benchmark, tiny_draft, tiny_target, tiny_tokenizer
 
-from domino_spec import head_step_triton
+from domino_spec.generation import fused_head_step as head_step_triton
 from domino_spec.drafting import DraftingOptions
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

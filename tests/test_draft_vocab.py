@@ -9,6 +9,8 @@ from safetensors import safe_open
 from speculative_helpers import draft_from_scratch
 
 from domino_spec import DominoDraftModel, DraftingOptions
+from domino_spec.draft_building import with_draft_vocab
+from domino_spec.published_format import load_draft
 from domino_spec.generation import speculative_generate
 from domino_spec.training import export
 from domino_spec.training.data import draft_vocabulary
@@ -41,7 +43,7 @@ def test_a_restricted_draft_drafts_what_the_full_one_does_where_its_pick_is_kept
     expected = draft_from_scratch(full, target, input_ids)
     kept = expected.tokens.unique()
     others = torch.tensor([t for t in range(128) if t not in kept.tolist()])[:20]
-    restricted = full.with_draft_vocab(torch.cat([others, kept]))
+    restricted = with_draft_vocab(full, torch.cat([others, kept]))
     assert restricted.config.draft_vocab_size == kept.numel() + 20
     drafted = draft_from_scratch(restricted, target, input_ids)
     assert torch.equal(drafted.tokens, expected.tokens)
@@ -52,7 +54,7 @@ def test_a_restricted_draft_drafts_what_the_full_one_does_where_its_pick_is_kept
     assert not outside[draft_from_scratch(restricted, target, input_ids).tokens].any()
     missing = next(token for token in range(128) if token not in restricted.draft_vocab.tolist())
     with pytest.raises(ValueError, match="must lie within the draft's own"):
-        restricted.with_draft_vocab(torch.tensor([int(kept[0]), missing]))
+        with_draft_vocab(restricted, torch.tensor([int(kept[0]), missing]))
 
 
 def test_greedy_decoding_with_a_draft_vocabulary_is_lossless_on_both_paths(target):
@@ -83,5 +85,5 @@ def test_a_draft_vocabulary_is_saved_and_exported_as_the_whole_vocabulary(target
         up = file.get_tensor("embed_proj.2.weight").float()  # [V, R]: rows of zeros outside the draft vocabulary
     torch.testing.assert_close(up[draft.draft_vocab], draft.head.embed_proj[2].weight.bfloat16().float())
     assert not up[:21].any() and not up[101:].any()
-    exported = DominoDraftModel.from_pretrained(tmp_path / "sglang")
+    exported = load_draft(tmp_path / "sglang")
     assert exported.draft_vocab is None and exported.head.embed_proj[2].weight.shape[0] == 128

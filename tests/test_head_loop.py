@@ -8,6 +8,7 @@ from speculative_helpers import draft_from_scratch
 
 from domino_spec import DominoContextCache, DraftingOptions
 from domino_spec.generation import speculative_generate
+from domino_spec.generation.compiled_drafting import compile_drafting, is_drafting_compiled
 from domino_spec.head_domino import block_inputs, greedy_head, slot_chooser, slot_loop
 
 
@@ -125,8 +126,6 @@ def test_candidate_pool_restricts_greedy_drafts_to_the_best_base_tokens(target_a
 def test_drafting_options_refuse_an_invalid_candidate_pool(pool):
     with pytest.raises(ValueError, match=rf"candidate_pool={pool} is invalid: expected 0 \(off\) or a pool size"):
         DraftingOptions(candidate_pool=pool)
-    with pytest.raises(ValueError, match="fused_step=True is invalid: expected False, or True with candidate_pool"):
-        DraftingOptions(fused_step=True)
 
 
 def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_draft):
@@ -215,11 +214,11 @@ def test_compile_drafting_is_a_switch_not_state(target_and_draft):
     target, draft = target_and_draft
     keys = set(draft.state_dict())
     with pytest.raises(ValueError, match="mode must be one of"):
-        draft.compile_drafting("fast")
-    assert draft.compile_drafting() is draft and draft.is_drafting_compiled
+        compile_drafting(draft, "fast")
+    assert compile_drafting(draft) is draft and is_drafting_compiled(draft)
     assert set(draft.state_dict()) == keys  # compiled functions are not modules: nothing saved or moved
-    draft.compile_drafting(None)
-    assert not draft.is_drafting_compiled
+    compile_drafting(draft, None)
+    assert not is_drafting_compiled(draft)
     torch._dynamo.reset()
 
 
@@ -230,7 +229,7 @@ def test_compiled_drafting_gives_eager_tokens(target_and_draft, pool):
     draft.drafting_options = DraftingOptions(candidate_pool=pool)
     contexts = [torch.randint(0, 100, (2, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 20)]
     eager = [draft_from_scratch(draft, target, input_ids) for input_ids in contexts]
-    draft.compile_drafting()
+    compile_drafting(draft)
     try:
         for input_ids, expected in zip(contexts, eager):  # a growing context: the dynamic backbone, compiled once
             compiled = draft_from_scratch(draft, target, input_ids)
@@ -241,5 +240,5 @@ def test_compiled_drafting_gives_eager_tokens(target_and_draft, pool):
         output = speculative_generate(target, draft, input_ids, max_new_tokens=20, eos_token_id=[])
         assert torch.equal(output.sequences, reference)
     finally:
-        draft.compile_drafting(None)
+        compile_drafting(draft, None)
         torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""The fused head step (`DraftingOptions.fused_step`, one Triton kernel per slot) drafts what the unfused pooled loop
+"""The fused head step (`fuse_head_step(draft)`, one Triton kernel per slot) drafts what the unfused pooled loop
 drafts. Without CUDA the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 
 import json
@@ -11,8 +11,9 @@ import torch
 from speculative_helpers import draft_from_scratch
 from test_head_loop import _target_and_draft
 
-from domino_spec import DraftingOptions, head_step_triton
-from domino_spec.generation import speculative_generate
+from domino_spec import DraftingOptions
+from domino_spec.generation import compile_drafting, fuse_head_step, speculative_generate
+from domino_spec.generation import fused_head_step as head_step_triton
 
 pytest.importorskip("triton", reason="the fused head step is a Triton kernel")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,8 +27,7 @@ def target_and_draft():
 def _fused_and_unfused(draft, target, input_ids, pool, **options):
     draft.drafting_options = DraftingOptions(candidate_pool=pool, **options)
     unfused = draft_from_scratch(draft, target, input_ids)
-    draft.drafting_options = DraftingOptions(candidate_pool=pool, fused_step=True, **options)
-    return draft_from_scratch(draft, target, input_ids), unfused
+    return draft_from_scratch(fuse_head_step(draft), target, input_ids), unfused
 
 
 @pytest.mark.parametrize("pool", [1, 5, 128])
@@ -62,7 +62,8 @@ def test_fused_step_without_the_gate_table_projects_each_pool_token(target_and_d
 
 def test_fused_step_is_lossless_in_greedy_decoding(target_and_draft):
     target, draft = target_and_draft
-    draft.drafting_options = DraftingOptions(candidate_pool=4, fused_step=True)
+    draft.drafting_options = DraftingOptions(candidate_pool=4)
+    fuse_head_step(draft)
     for seed in range(3):
         input_ids = torch.randint(0, 100, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
         input_ids = input_ids.to(DEVICE)
@@ -74,34 +75,35 @@ def test_fused_step_is_lossless_in_greedy_decoding(target_and_draft):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
 def test_fused_step_on_cpu_without_the_interpreter_names_the_fix(target_and_draft, monkeypatch):
     target, draft = target_and_draft
-    draft.drafting_options = DraftingOptions(candidate_pool=4, fused_step=True)
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(RuntimeError, match="draft with fused_step=False there"):
-        draft_from_scratch(draft, target, torch.randint(0, 128, (1, 8), device=DEVICE))
+    with pytest.raises(RuntimeError, match="draft without fuse_head_step there"):
+        fuse_head_step(draft)
+    assert "_greedy_head" not in draft.__dict__
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile runs user Triton kernels on GPUs only")
 def test_compiled_fused_step_drafts_the_eager_fused_tokens(target_and_draft):
     target, draft = target_and_draft
-    draft.drafting_options = DraftingOptions(candidate_pool=8, fused_step=True)
+    draft.drafting_options = DraftingOptions(candidate_pool=8)
+    fuse_head_step(draft)
     contexts = [torch.randint(0, 128, (2, n), device=DEVICE) for n in (9, 14)]
     eager = [draft_from_scratch(draft, target, input_ids) for input_ids in contexts]
-    draft.compile_drafting()
+    compile_drafting(draft)
     try:
         for input_ids, expected in zip(contexts, eager):
             compiled = draft_from_scratch(draft, target, input_ids)
             assert torch.equal(compiled.tokens, expected.tokens)
             torch.testing.assert_close(compiled.logits, expected.logits, rtol=1e-4, atol=1e-4)
     finally:
-        draft.compile_drafting(None)
+        compile_drafting(draft, None)
         torch._dynamo.reset()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner times launches on GPUs only")
 def test_autotuner_picks_one_of_the_launch_configs_per_shape(target_and_draft):
     target, draft = target_and_draft
-    draft.drafting_options = DraftingOptions(candidate_pool=6, fused_step=True)
-    draft_from_scratch(draft, target, torch.randint(0, 128, (1, 9), device=DEVICE))
+    draft.drafting_options = DraftingOptions(candidate_pool=6)
+    draft_from_scratch(fuse_head_step(draft), target, torch.randint(0, 128, (1, 9), device=DEVICE))
     tuned = head_step_triton.tuned_launch_configs().items()
     picks = {key: config for key, config in tuned if key.startswith("32, 16, 6, ")}  # G, R, pool of this draft
     assert len(picks) == 3  # slot 0 (STEP only), the slots in between (PICK and STEP), the last (PICK only)
@@ -121,7 +123,7 @@ from conftest import tiny_draft, tiny_target
 from torch._dynamo.backends.common import aot_autograd
 from triton.backends.compiler import GPUTarget
 from domino_spec import DraftingOptions
-from domino_spec.head_domino import greedy_head
+from domino_spec.generation.fused_head_step import fused_greedy_head
 
 
 class SM90Driver:
@@ -147,8 +149,8 @@ target = tiny_target("qwen3")
 draft = tiny_draft(target, block_size=6)
 weights = draft.head.weights(target.get_input_embeddings(), None, torch.float32, DraftingOptions(candidate_pool=5))
 size, vocab = draft.config.hidden_size, draft.config.vocab_size
-inputs = (torch.randn(2, 6, vocab), torch.randn(2, 6, size), torch.randn(2, size), weights, 1, 5, True)
-head = torch.compile(greedy_head, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=False)
+inputs = (torch.randn(2, 6, vocab), torch.randn(2, 6, size), torch.randn(2, size), weights, 1, 5)
+head = torch.compile(fused_greedy_head, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=False)
 try:
     with torch.no_grad():
         head(*inputs)
@@ -192,7 +194,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from domino_spec import head_step_triton
+from domino_spec.generation import fused_head_step as head_step_triton
 
 kernel = head_step_triton._head_step_kernel
 names = kernel.arg_names

@@ -1,4 +1,5 @@
-"""The package's imports run one way: the model files under generation/ and training/, which never import each other."""
+"""The package's imports run one way: the model files under generation/ and training/, which never import each other;
+and a checkpoint runs a small, fixed set of files."""
 
 import ast
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_generation_and_training_never_import_each_other():
 
 
 def test_the_model_files_a_checkpoint_carries_import_only_torch_transformers_and_each_other():
-    allowed_roots = {"torch", "transformers", "safetensors", "triton"}
+    allowed_roots = {"torch", "transformers"}
     stdlib = {"collections", "contextlib", "dataclasses", "functools", "inspect", "itertools", "json", "math", "os",
               "statistics", "struct", "time", "typing", "warnings", "weakref"}  # fmt: skip
     assert {"configuration_domino.py", "head_domino.py", "generation_domino.py", "drafting.py"} <= MODEL_FILES
@@ -44,3 +45,20 @@ def test_the_model_files_a_checkpoint_carries_import_only_torch_transformers_and
                 assert f"{module.split('.')[1]}.py" in MODEL_FILES, f"{name} imports {module}, outside the model"
             else:
                 assert top in allowed_roots | stdlib, f"{name} imports {module}"
+
+
+# What `AutoModel.from_pretrained(..., trust_remote_code=True)` runs: the model file and the root files it imports. The
+# package adds the rest (published-format conversion, compiled drafting, the fused Triton head step, building drafts).
+CHECKPOINT_CODE_FILES = {"configuration_domino.py", "modeling_domino.py", "head_domino.py", "drafting.py",
+                         "cache_domino.py", "generation_domino.py", "transformers_compat.py"}  # fmt: skip
+# Lines a Hub user audits: 2,314 after moving out what loading and generate(assistant_model=) do not need (1,524 of
+# them neither blank, nor comments, nor docstrings). The goal was 1,500: that takes dropping features a checkpoint's
+# generate path uses (the cost-aware draft length and prompt lookup, ~330 lines) or its teacher-forced forward (~170).
+# Move code to the package (generation/, training/, or a root file the model does not import) before raising this.
+MAX_CHECKPOINT_LINES = 2400
+
+
+def test_a_checkpoint_runs_a_small_fixed_set_of_files():
+    assert MODEL_FILES == CHECKPOINT_CODE_FILES
+    total = sum(len((ROOT / name).read_text().splitlines()) for name in MODEL_FILES)
+    assert total <= MAX_CHECKPOINT_LINES, f"a checkpoint runs {total} lines, more than {MAX_CHECKPOINT_LINES}"

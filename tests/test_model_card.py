@@ -91,7 +91,8 @@ def test_card_of_an_exported_folder_says_to_upload_it_as_is(tmp_path):
     assert "--speculative-draft-model-path DRAFT_REPO_OR_DIR" in exported
     assert "`domino-spec card DRAFT_DIR --push-to-hub your-name/your-draft`" in exported
     assert 'upload_folder(folder_path="DRAFT_DIR", repo_id="your-name/your-draft")' in exported
-    assert "`AutoModel.from_pretrained` reads this published-format folder from transformers 5.24 on" in exported
+    assert 'draft = load_draft("DRAFT_REPO_OR_DIR", dtype=target.dtype)' in exported
+    assert "trust_remote_code" not in exported  # the model code refuses the published format
 
 
 def test_local_target_is_not_claimed_as_base_model(tmp_path):

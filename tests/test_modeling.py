@@ -29,6 +29,8 @@ from domino_spec import DominoConfig, DominoContextCache, DominoDraftModel
 from domino_spec import assets
 from domino_spec.assets import record_hub_id
 from domino_spec.configuration_domino import default_target_layer_ids
+from domino_spec.draft_building import from_target
+from domino_spec.published_format import load_draft
 
 SEQUENCE_LENGTH = 24
 ANCHOR = 15  # a block anchor with context on both sides, and room for the whole block before the end
@@ -362,7 +364,7 @@ def word_level_tokenizer(num_tokens: int) -> PreTrainedTokenizerFast:
 @pytest.mark.parametrize("target_family", ["qwen3", "qwen2", "llama"])
 def test_from_target_matches_the_target(target_family):
     target = tiny_target(target_family, num_hidden_layers=12)
-    draft = DominoDraftModel.from_target(target, num_hidden_layers=4, block_size=4)
+    draft = from_target(target, num_hidden_layers=4, block_size=4)
     config, target_config = draft.config, target.config
     assert config.hidden_size == config.target_hidden_size == target_config.hidden_size
     assert config.vocab_size == target.get_input_embeddings().weight.shape[0] == 128
@@ -375,16 +377,16 @@ def test_from_target_matches_the_target(target_family):
     assert config.target_layer_ids == default_target_layer_ids(12, 4) == [1, 4, 6, 9]
     # Without a tokenizer the mask is the last embedding row; with a shorter tokenizer the first row past it.
     assert config.mask_token_id == 127
-    with_tokenizer = DominoDraftModel.from_target(target, tokenizer=word_level_tokenizer(100))
+    with_tokenizer = from_target(target, tokenizer=word_level_tokenizer(100))
     assert with_tokenizer.config.mask_token_id == 100
-    full_tokenizer = DominoDraftModel.from_target(target, tokenizer=word_level_tokenizer(128))
+    full_tokenizer = from_target(target, tokenizer=word_level_tokenizer(128))
     assert full_tokenizer.config.mask_token_id == 127
     draft.check_target(target)
 
 
 def test_from_target_follows_the_target_dtype_but_keeps_rope_in_fp32():
     """Weights in the target's dtype; RoPE frequencies in fp32 as after from_pretrained (training = serving)."""
-    draft = DominoDraftModel.from_target(tiny_target("qwen3", dtype=torch.bfloat16))
+    draft = from_target(tiny_target("qwen3", dtype=torch.bfloat16))
     assert draft.dtype == torch.bfloat16
     assert draft.rotary_emb.inv_freq.dtype == torch.float32
 
@@ -652,7 +654,7 @@ def test_a_checkpoint_of_the_older_layout_loads_its_head_and_config_names(tmp_pa
     config = json.loads((tmp_path / "config.json").read_text())
     config["emb_dim"], config["pure_draft_prefix_len"] = config.pop("residual_rank"), config.pop("first_corrected_slot")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    loaded = DominoDraftModel.from_pretrained(tmp_path)
+    loaded = load_draft(tmp_path)  # the package converts them; the model files alone do not
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert loaded.config.to_dict().keys().isdisjoint(["emb_dim", "pure_draft_prefix_len"])

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from domino_spec import DominoConfig, DominoDraftModel
+from domino_spec.published_format import load_draft
 from domino_spec.training import export
 
 from conftest import tiny_draft, tiny_target
@@ -129,7 +130,7 @@ def target():
 def test_published_domino_folder_loads_with_its_weights(tmp_path, target, layout):
     reference = direct_draft()
     folder = write_published_folder(tmp_path / "published", published_domino_config(), reference.state_dict(), layout)
-    draft = DominoDraftModel.from_pretrained(folder)
+    draft = load_draft(folder)
     assert draft.config.use_domino_head and draft.config.shift_label and draft.config.first_corrected_slot == 1
     assert (draft.config.gru_hidden_dim, draft.config.residual_rank, draft.config.target_layer_ids) == (32, 16, [1, 3])
     assert draft.dtype == torch.float32
@@ -139,7 +140,7 @@ def test_published_domino_folder_loads_with_its_weights(tmp_path, target, layout
 def test_published_dflash_folder_loads_head_off_with_default_layers(tmp_path, target):
     reference = direct_draft(num_hidden_layers=1, use_domino_head=False, shift_label=False, target_layer_ids=[3])
     folder = write_published_folder(tmp_path / "dflash", published_dflash_config(), reference.state_dict())
-    draft = DominoDraftModel.from_pretrained(folder)
+    draft = load_draft(folder)
     config = draft.config
     assert not config.use_domino_head and not config.shift_label
     assert config.target_layer_ids == [6 // 2]  # DFlash's rule for a single draft layer
@@ -153,27 +154,27 @@ def test_published_config_with_conflicting_emb_dim_is_refused(tmp_path):
     config["emb_dim"] = 8
     folder = write_published_folder(tmp_path / "bad", config, direct_draft().state_dict())
     with pytest.raises(ValueError, match="emb_dim"):
-        DominoDraftModel.from_pretrained(folder)
+        load_draft(folder)
 
 
 def test_published_shift_label_must_be_a_boolean(tmp_path):
     config = published_domino_config(shift_label="false")  # a string would read as true
     folder = write_published_folder(tmp_path / "bad", config, direct_draft().state_dict())
     with pytest.raises(ValueError, match=r"shift_label='false' is invalid: expected a boolean: true or false"):
-        DominoDraftModel.from_pretrained(folder)
+        load_draft(folder)
 
 
 def test_published_folder_honours_the_loading_options(tmp_path):
     """The options our own folders honour apply to a published one too; one it cannot use is named in a warning."""
     folder = write_published_folder(tmp_path / "published", published_domino_config(), direct_draft().state_dict())
-    draft = DominoDraftModel.from_pretrained(folder, torch_dtype=torch.float16, attn_implementation="eager")
+    draft = load_draft(folder, torch_dtype=torch.float16, attn_implementation="eager")
     assert draft.dtype == torch.float16 and draft.config._attn_implementation == "eager"
     # AutoModel passes the folder's config with the caller's attn_implementation on it, and trust_remote_code.
     config = transformers.Qwen3Config(attn_implementation="eager")
-    draft = DominoDraftModel.from_pretrained(folder, config=config, trust_remote_code=True)
+    draft = load_draft(folder, config=config, trust_remote_code=True)
     assert draft.dtype == torch.float32 and draft.config._attn_implementation == "eager"
     with pytest.warns(UserWarning, match=r"ignores the from_pretrained options \['low_cpu_mem_usage'\]"):
-        DominoDraftModel.from_pretrained(folder, low_cpu_mem_usage=True)
+        load_draft(folder, low_cpu_mem_usage=True)
 
 
 def test_published_weights_that_do_not_match_the_config_are_named(tmp_path):
@@ -182,7 +183,7 @@ def test_published_weights_that_do_not_match_the_config_are_named(tmp_path):
     state_dict["layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
     folder = write_published_folder(tmp_path / "bad", published_domino_config(), state_dict)
     with pytest.raises(ValueError, match=r"embed_proj\.2\.weight.*layers\.0\.mlp\.up_proj\.weight"):
-        DominoDraftModel.from_pretrained(folder)
+        load_draft(folder)
 
 
 # ---------------------------------------------------------------------- export
@@ -212,10 +213,10 @@ def test_sglang_export_round_trip_is_bf16_and_published(tmp_path, target):
         # the published names are ours, the head's at the top level
         assert set(file.keys()) == {key.removeprefix("head.") for key in draft.state_dict()}
         assert all(file.get_tensor(key).dtype == torch.bfloat16 for key in file.keys())
-    assert {"README.md", "modeling_domino.py", "published_format.py"} <= set(os.listdir(exported))
+    assert {"README.md", "modeling_domino.py"} <= set(os.listdir(exported))
 
-    reloaded = DominoDraftModel.from_pretrained(exported)
-    original_bf16 = DominoDraftModel.from_pretrained(source, dtype=torch.bfloat16)
+    reloaded = load_draft(exported)
+    original_bf16 = load_draft(source, dtype=torch.bfloat16)
     assert reloaded.dtype == torch.bfloat16 and reloaded.config.target_model_name == "org/tiny-target"
     torch.testing.assert_close(block_logits(reloaded, target), block_logits(original_bf16, target), rtol=0, atol=0)
 
@@ -227,9 +228,9 @@ def test_export_without_head_writes_the_dflash_layout(tmp_path, target):
     config = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"] == {"mask_token_id": draft.config.mask_token_id, "target_layer_ids": [1, 3]}
-    reloaded = DominoDraftModel.from_pretrained(tmp_path / "sglang")
+    reloaded = load_draft(tmp_path / "sglang")
     assert not reloaded.config.use_domino_head and not reloaded.config.shift_label
-    original_bf16 = DominoDraftModel.from_pretrained(tmp_path / "ours", dtype=torch.bfloat16)
+    original_bf16 = load_draft(tmp_path / "ours", dtype=torch.bfloat16)
     torch.testing.assert_close(block_logits(reloaded, target), block_logits(original_bf16, target), rtol=0, atol=0)
 
 
@@ -246,23 +247,26 @@ def test_unknown_export_format_lists_the_supported_ones(tmp_path, capsys):
 
 
 def test_remote_code_loading_in_a_fresh_process(tmp_path, target):
-    """save_pretrained copies the root files the model imports; AutoModel loads ours and the export, each from its own
-    code."""
+    """save_pretrained copies the root files the model imports; AutoModel loads ours from its own code. The export's
+    folder loads with the package's `load_draft`; the model files alone refuse its published config, naming that."""
     draft = tiny_draft(target)
     draft.save_pretrained(tmp_path / "ours")
-    assert {"published_format.py", "head_domino.py", "head_step_triton.py", "generation_domino.py", "drafting.py",
+    assert {"configuration_domino.py", "modeling_domino.py", "head_domino.py", "generation_domino.py", "drafting.py",
             "cache_domino.py", "transformers_compat.py"} <= set(os.listdir(tmp_path / "ours"))
+    assert not {"published_format.py", "head_step_triton.py"} & set(os.listdir(tmp_path / "ours"))
     export.export_sglang(str(tmp_path / "ours"), str(tmp_path / "sglang"))
-    # transformers 5.17 refuses a remote model class for a config whose model_type is a built-in one ("qwen3", as the
-    # published format requires); there the export loads with DominoDraftModel.from_pretrained instead.
-    loader = "AutoModel" if version.parse(transformers.__version__) >= version.parse("5.24") else "DominoDraftModel"
     script = (
         "import sys\n"
         "from transformers import AutoModel\n"
-        "from domino_spec import DominoDraftModel\n"
-        "for folder, loader in ((sys.argv[1], AutoModel), (sys.argv[2], " + loader + ")):\n"
-        "    model = loader.from_pretrained(folder, trust_remote_code=True)\n"
-        "    print(type(model).__name__, type(model).__module__.startswith('transformers_modules'), model.dtype)\n"
+        "from domino_spec.published_format import load_draft\n"
+        "model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(type(model).__name__, type(model).__module__.startswith('transformers_modules'), model.dtype)\n"
+        "model = load_draft(sys.argv[2])\n"
+        "print(type(model).__name__, type(model).__module__.startswith('transformers_modules'), model.dtype)\n"
+        "try:\n"
+        "    AutoModel.from_pretrained(sys.argv[2], trust_remote_code=True)\n"
+        "except ValueError as error:\n"
+        "    print('refused', 'load_draft' in str(error))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "ours"), str(tmp_path / "sglang")],
@@ -273,10 +277,18 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, target):
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[:2] == [
-        "DominoDraftModel True torch.float32",
-        f"DominoDraftModel {loader == 'AutoModel'} torch.bfloat16",
-    ]
+    lines = result.stdout.split("\n")
+    assert lines[:2] == ["DominoDraftModel True torch.float32", "DominoDraftModel False torch.bfloat16"]
+    # transformers 5.17 refuses a remote model class for a config whose model_type is a built-in one ("qwen3", as the
+    # published format requires) before our code runs; from 5.24 our config names the fix.
+    if version.parse(transformers.__version__) >= version.parse("5.24"):
+        assert lines[2] == "refused True", result.stdout + result.stderr[-3000:]
+
+
+def test_the_model_class_alone_refuses_a_published_folder_naming_the_fix(tmp_path):
+    folder = write_published_folder(tmp_path / "published", published_domino_config(), direct_draft().state_dict())
+    with pytest.raises(ValueError, match=r"published Domino / DFlash checkpoint.*published_format\.load_draft"):
+        DominoDraftModel.from_pretrained(folder)
 
 
 # ---------------------------------------------------------------------- bad folders
@@ -292,13 +304,13 @@ def saved_draft(tmp_path, target):
 def test_missing_config_is_named(saved_draft):
     os.remove(saved_draft / "config.json")
     with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
-        DominoDraftModel.from_pretrained(saved_draft)
+        load_draft(saved_draft)
 
 
 def test_missing_weights_are_named(saved_draft):
     os.remove(saved_draft / "model.safetensors")
     with pytest.raises(FileNotFoundError, match=r"no weights file \(model\.safetensors"):
-        DominoDraftModel.from_pretrained(saved_draft)
+        load_draft(saved_draft)
 
 
 @pytest.mark.parametrize("keep_bytes", [40, -100])
@@ -307,7 +319,7 @@ def test_truncated_safetensors_is_named(saved_draft, keep_bytes):
     data = path.read_bytes()
     path.write_bytes(data[:keep_bytes])
     with pytest.raises(ValueError, match=rf"{path}.*truncated or corrupt"):
-        DominoDraftModel.from_pretrained(saved_draft)
+        load_draft(saved_draft)
 
 
 def test_unknown_checkpoint_format_lists_the_supported_ones(tmp_path):
@@ -317,11 +329,11 @@ def test_unknown_checkpoint_format_lists_the_supported_ones(tmp_path):
     with pytest.raises(
         ValueError, match="not a Domino draft checkpoint.*Supported formats: native.*published-domino.*dflash"
     ):
-        DominoDraftModel.from_pretrained(folder)
+        load_draft(folder)
     config = published_domino_config(projector_type="dspark")
     folder = write_published_folder(tmp_path / "dspark", config, direct_draft().state_dict())
     with pytest.raises(ValueError, match="projector_type='dspark'.*Supported formats"):
-        DominoDraftModel.from_pretrained(folder)
+        load_draft(folder)
 
 
 def test_draft_for_another_target_names_both(tmp_path):

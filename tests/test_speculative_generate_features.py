@@ -16,6 +16,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from domino_spec.generation import speculative_generate
+from domino_spec.generation.compiled_drafting import compile_drafting, is_drafting_compiled
 from domino_spec.generation_domino import StopStringDraftMask, install_generate_hook
 
 
@@ -260,12 +261,12 @@ def test_a_draft_that_has_drafted_pickles_and_drafts_the_same_after(models):
 
 def test_a_compiled_draft_pickles_as_an_eager_one():
     """Compiled functions do not pickle: the copy drafts eagerly until `compile_drafting` is called on it."""
-    draft = tiny_draft(tiny_target("qwen3")).compile_drafting()  # compiles on first use: nothing compiled here
+    draft = compile_drafting(tiny_draft(tiny_target("qwen3")))  # compiles on first use: nothing compiled here
     buffer = io.BytesIO()
     torch.save(draft, buffer)
     buffer.seek(0)
     copy = torch.load(buffer, weights_only=False)
-    assert draft.is_drafting_compiled and not copy.is_drafting_compiled
+    assert is_drafting_compiled(draft) and not is_drafting_compiled(copy)
     assert torch.equal(copy.fc.weight, draft.fc.weight)
 
 

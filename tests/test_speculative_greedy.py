@@ -21,6 +21,7 @@ from speculative_helpers import OracleDraft, draft_from_scratch, random_prompts
 from transformers import AutoModel
 
 from domino_spec import DraftingOptions
+from domino_spec.draft_building import from_target
 from domino_spec.generation import left_pad, speculative_generate
 
 NUM_PROMPTS = 50
@@ -73,8 +74,8 @@ def setup(request, tmp_path_factory) -> Setup:
     assert loaded_draft.dtype == dtype
     assert type(loaded_draft).__module__.startswith("transformers_modules"), "expected the remote-code class"
     torch.manual_seed(2)
-    oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                     gru_hidden_dim=8, residual_rank=8).eval()
+    oracle = from_target(target, draft_class=OracleDraft, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
+                         gru_hidden_dim=8, residual_rank=8).eval()
     oracle.drafting_options = DraftingOptions(draft_length="full")  # full blocks, whatever verifying them costs
     cases = _build_cases(target, draft.config.num_draft_tokens, seed=100 + len(family))
     assert sum(case.eos_token_id is not None for case in cases) >= NUM_PROMPTS // 3
@@ -231,8 +232,8 @@ def test_native_sliding_window_target_one_prompt_at_a_time(family):
     """Crops by a negative count roll a sliding window back past its edge; the window is trimmed after every
     round (plain decoding included), and the tokens stay the target's own."""
     target = _sliding_window_target(family)
-    oracle = OracleDraft.from_target(target, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                     gru_hidden_dim=8, residual_rank=8).eval()
+    oracle = from_target(target, draft_class=OracleDraft, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
+                         gru_hidden_dim=8, residual_rank=8).eval()
     full_blocks = DraftingOptions(draft_length="full")  # rejected drafts every round, and no cost measurement
     longest_window = []  # stored slots of the sliding layers before each target forward
 

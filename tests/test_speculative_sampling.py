@@ -46,6 +46,7 @@ from transformers import (
 )
 
 from domino_spec import DraftCosts, DraftingOptions
+from domino_spec.draft_building import with_draft_vocab
 from domino_spec.generation import left_pad, speculative_generate
 
 NUM_TOKENS = 5  # max_new_tokens: the prefill's token, then three drafts and a bonus token if all are accepted
@@ -396,7 +397,7 @@ def test_native_sampling_with_a_draft_vocabulary_matches_target_distribution(mod
     still produces them (from the rejection's residual), at its own rates."""
     target, draft, prompt = models
     vocabulary = [token for token in range(120) if token not in (LIVE_TOKENS[1], LIVE_TOKENS[4])]
-    restricted = draft.with_draft_vocab(torch.tensor(vocabulary))
+    restricted = with_draft_vocab(draft, torch.tensor(vocabulary))
     processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
     output = speculative_generate(target, restricted, prompt.expand(NUM_NATIVE_SAMPLES, -1), max_new_tokens=NUM_TOKENS,

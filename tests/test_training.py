@@ -21,6 +21,7 @@ from packaging import version
 from transformers import AutoModelForCausalLM
 
 from domino_spec import DominoDraftModel, DraftingOptions
+from domino_spec.draft_building import from_target
 from domino_spec.generation.engine import speculative_generate
 from domino_spec.targets import prompt_token_ids
 from domino_spec.training.collator import DominoDataCollator, sample_anchors
@@ -958,7 +959,7 @@ def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir
     flags = ["--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--draft_layers", "2"]
     main(["cache-features", *flags, "--output", str(tmp_path / "features")])
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
-    expected = DominoDraftModel.from_target(target, num_hidden_layers=2).config.target_layer_ids
+    expected = from_target(target, num_hidden_layers=2).config.target_layer_ids
     assert FeatureStore(str(tmp_path / "features")).layer_ids == expected
     draft = tiny_draft(target, target_layer_ids=[0, 2], block_size=4)
     draft.save_pretrained(tmp_path / "draft")

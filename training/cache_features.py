@@ -7,7 +7,7 @@ store's folder. Rerunning resumes.
 """
 
 from ..configuration_domino import DominoConfig
-from ..modeling_domino import DominoDraftModel
+from ..draft_building import config_for_target
 from .features import FeatureStore
 from .train import fresh_draft_shape, load_target_and_data, parse_train_arguments
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
         layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids
     else:  # the config alone: no draft weights to build
         shape = fresh_draft_shape(draft_args, target)
-        layer_ids = DominoDraftModel.config_for_target(target, tokenizer=tokenizer, **shape).target_layer_ids
+        layer_ids = config_for_target(target, tokenizer=tokenizer, **shape).target_layer_ids
     store = FeatureStore.build(target, dataset, layer_ids, training_args.output_dir, training_args.soft_targets)
     soft_targets = f", soft targets of {store.top_k} tokens" if store.top_k else ""
     print(f"features of {len(store)} examples (target layers {layer_ids}{soft_targets}) in {training_args.output_dir}")

@@ -6,8 +6,8 @@
 import argparse
 import os
 
-from ..modeling_domino import DominoDraftModel
-from ..published_format import check_draft_folder
+from ..draft_building import with_draft_vocab
+from ..published_format import check_draft_folder, load_draft
 from .data import draft_vocabulary, load_training_dataset
 
 
@@ -25,8 +25,8 @@ def main(argv: list[str]) -> None:
     check_draft_folder(args.draft_dir)
     if not os.path.isfile(args.data):
         raise FileNotFoundError(f"--data {args.data}: no such file (make one with `domino-spec generate-data`)")
-    draft = DominoDraftModel.from_pretrained(args.draft_dir)
+    draft = load_draft(args.draft_dir)
     dataset = load_training_dataset(args.data)
     token_ids = draft_vocabulary(dataset, args.size, draft.config.vocab_size)
-    draft.with_draft_vocab(token_ids).save_pretrained(args.output_dir)
+    with_draft_vocab(draft, token_ids).save_pretrained(args.output_dir)
     print(f"wrote a draft of {args.size} draft tokens (of {draft.config.vocab_size}) to {args.output_dir}")

@@ -5,8 +5,8 @@
 `sglang` writes the published Domino layout (`published_format.py`): bf16 weights under the published names and a
 `config.json` with `model_type: "qwen3"` and `dflash_config` (`projector_type: "domino"`), or the z-lab DFlash layout
 when the draft has no Domino head. SGLang serves it with `--speculative-algorithm DFLASH`. The folder also keeps our
-model files, so `AutoModel.from_pretrained(OUT, trust_remote_code=True)` (transformers >= 5.24) and
-`DominoDraftModel.from_pretrained(OUT)` read it back. Its model card says to upload the folder as is.
+model files; `domino_spec.published_format.load_draft(OUT)` reads it back (the model files alone refuse the
+published config, naming it). Its model card says to upload the folder as is.
 """
 
 import argparse
@@ -19,8 +19,7 @@ import torch
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from .. import modeling_domino, published_format
-from ..modeling_domino import DominoDraftModel
-from ..published_format import check_draft_folder
+from ..published_format import check_draft_folder, load_draft
 from .model_card import write_model_card
 
 # Files of the source folder the model card reads; copied so `domino-spec card OUT` finds them too.
@@ -46,7 +45,7 @@ def sglang_problems(config) -> list[str]:
 
 def export_sglang(draft_dir: str, output_dir: str) -> str:
     """Export the draft at `draft_dir` to `output_dir` in the published layout SGLang serves; returns `output_dir`."""
-    draft = DominoDraftModel.from_pretrained(draft_dir)
+    draft = load_draft(draft_dir)
     problems = sglang_problems(draft.config)
     if problems:
         raise ValueError(f"{draft_dir} cannot be served by SGLang as exported: " + "; ".join(problems) + ".")

@@ -143,13 +143,21 @@ def overview_section(config: DominoConfig, target: str) -> str:
 
 
 def usage_section(repo_id: str, target: str, config: DominoConfig, published: bool) -> str:
+    # The model code reads our own format only: the package converts a published-format folder (`load_draft`).
+    if published:
+        load = f"""from domino_spec.published_format import load_draft  # pip install domino-spec
+
+draft = load_draft("{repo_id}", dtype=target.dtype).to(target.device)"""
+    else:
+        load = f'draft = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True, dtype=target.dtype)'
+        load += ".to(target.device)"
     transformers_snippet = f"""```python
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", device_map="auto")
 tokenizer = AutoTokenizer.from_pretrained("{target}")
-draft = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True, dtype=target.dtype).to(target.device)
+{load}
 
 messages = [{{"role": "user", "content": "How many positive divisors does 196 have?"}}]
 inputs = tokenizer.apply_chat_template(
@@ -160,16 +168,15 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 ```"""
     if published:
         transformers_snippet += (
-            "\n`AutoModel.from_pretrained` reads this published-format folder from transformers 5.24 on (5.17 refuses "
-            'a remote class for its `model_type: "qwen3"`); with older versions use `DominoDraftModel.from_pretrained` '
-            "(below)."
+            "\nThis folder is in the published (SGLang) format, which the model code does not read "
+            "(`AutoModel.from_pretrained` refuses it, naming `load_draft`): the `domino-spec` package converts it."
         )
     native_snippet = f"""```python
 # pip install domino-spec  (batched, greedy or exact speculative sampling)
-from domino_spec import DominoDraftModel
 from domino_spec.generation import speculative_generate
+from domino_spec.published_format import load_draft
 
-draft = DominoDraftModel.from_pretrained("{repo_id}", dtype=target.dtype).to(target.device)
+draft = load_draft("{repo_id}", dtype=target.dtype).to(target.device)
 result = speculative_generate(target, draft, inputs["input_ids"], attention_mask=inputs["attention_mask"],
                               max_new_tokens=256)
 print(tokenizer.decode(result.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))

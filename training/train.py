@@ -18,8 +18,9 @@ import torch
 import yaml
 from transformers import HfArgumentParser, set_seed
 
+from ..draft_building import copy_target_layers, from_target
 from ..modeling_domino import DominoDraftModel
-from ..published_format import check_draft_folder
+from ..published_format import check_draft_folder, load_draft
 from ..targets import load_target, pad_token_id
 from .checkpoints import check_resumable, checkpoint_to_resume, final_draft_problem, finished_at
 from .collator import DominoDataCollator
@@ -120,7 +121,7 @@ def build_draft(draft_args: DraftArguments, target, tokenizer, dataset=None) -> 
     responses), or the `--init_from` draft; master weights in fp32 (--bf16 trains under autocast)."""
     shape = draft_shape(draft_args)
     if draft_args.init_from:
-        draft = DominoDraftModel.from_pretrained(draft_args.init_from)
+        draft = load_draft(draft_args.init_from)
         conflicts = [f"{name}={value} (the draft has {getattr(draft.config, name)})"
                      for name, value in shape.items() if getattr(draft.config, name) != value]  # fmt: skip
         if conflicts:
@@ -134,10 +135,10 @@ def build_draft(draft_args: DraftArguments, target, tokenizer, dataset=None) -> 
     if shape.get("draft_vocab_size") is not None:
         vocab_size = target.get_input_embeddings().weight.shape[0]
         shape["draft_vocab"] = draft_vocabulary(dataset, shape.pop("draft_vocab_size"), vocab_size)
-    draft = DominoDraftModel.from_target(target, tokenizer=tokenizer, **shape)
+    draft = from_target(target, tokenizer=tokenizer, **shape)
     if draft_args.init_from_target_layers:
         num_target_layers = target.config.get_text_config().num_hidden_layers
-        draft.copy_target_layers(target, list(range(num_target_layers - len(draft.layers), num_target_layers)))
+        copy_target_layers(draft, target, list(range(num_target_layers - len(draft.layers), num_target_layers)))
     return draft.float()
 
 

@@ -11,8 +11,9 @@ import tempfile
 
 import torch
 
-from domino_spec import DominoDraftModel, modeling_domino
+from domino_spec import modeling_domino
 from domino_spec.assets import TARGETS
+from domino_spec.published_format import load_draft
 from domino_spec.training.model_card import TRAINING_SUMMARY, main as write_card
 
 MAX_BYTES = 30 * 2**20  # the repository's budget for an embedded checkpoint
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("output", help="the shipped checkpoint folder (replaced)")
     parser.add_argument("--bench", default=None, help="bench_results.json to show on the card")
     args = parser.parse_args()
-    draft = DominoDraftModel.from_pretrained(args.trained, dtype=torch.bfloat16)
+    draft = load_draft(args.trained, dtype=torch.bfloat16)
     draft.config.target_model_name = TARGETS["smollm2-135m"].hub_id  # the card's base_model
     shutil.rmtree(args.output, ignore_errors=True)
     draft.save_pretrained(args.output)

@@ -1,4 +1,5 @@
-"""One Triton kernel per slot of the greedy pooled head loop: the GPU form of `head_domino.slot_loop`.
+"""The fused head step: one Triton kernel per slot of the greedy pooled head loop, the GPU form of
+`head_domino.slot_loop`. `fuse_head_step(draft)` makes a draft's greedy drafting run it (with a candidate pool).
 
 Unfused, a slot costs about ten small dependent kernels (the GRU state matmul, the pool residual, argmax, the
 drafted token's gates lookup, the GRU cell), tens of microseconds on a GPU even inside a CUDA graph. Slot s needs
@@ -9,14 +10,18 @@ chunk by chunk), then writes its own rows of `projected_{s+1}`. Redundant work i
 launch per slot, and the [3G + R, G] weight is read once per slot across the whole GPU. How a launch splits that work
 (`LAUNCH_CONFIGS`) is autotuned on the GPU at hand.
 
-Copied into saved checkpoints with `head_domino.py`. Triton ships with CUDA builds of PyTorch; without it this module
-still imports and `triton_available()` is False. `TRITON_INTERPRET=1` runs the kernel on CPU tensors (tests).
+Part of the package, not of a checkpoint's code: a draft loaded with `trust_remote_code` gets it from
+`fuse_head_step`. Triton ships with CUDA builds of PyTorch; without it this module still imports and
+`triton_available()` is False. `TRITON_INTERPRET=1` runs the kernel on CPU tensors (tests).
 """
 
 import os
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+
+from ..head_domino import BlockInputs, HeadWeights, _pooled_outputs, block_inputs, input_gates, slot_loop, token_ids
 
 try:
     import triton
@@ -216,4 +221,66 @@ def head_step(
     return next_projected, next_state
 
 
-__all__ = ["LAUNCH_CONFIGS", "LaunchConfig", "head_step", "kernel_runs_on", "triton_available", "tuned_launch_configs"]
+def fused_pooled_slot_loop(
+    base_logits: torch.Tensor, block: BlockInputs, weights: HeadWeights, first_corrected: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slot_loop` for greedy drafting with a candidate pool, one Triton launch per slot (`head_step`).
+
+    Each pool token's GRU input gates are looked up once per block instead of once per slot, so a slot is the launch
+    alone. Slots before `first_corrected` draft their base argmax: it goes first in their pool.
+    """
+    num_slots = base_logits.shape[1]
+    pool_ids = block.pool_ids.clone()
+    pool_ids[:, :first_corrected, 0] = base_logits[:, :first_corrected].argmax(dim=-1)
+    pool_gates = input_gates(weights, pool_ids).contiguous()  # [M, S, P, 3G]
+    indices = pool_ids[:, :, 0].contiguous()  # [M, S]: the kernel writes the corrected slots'
+    pool_logits = torch.empty_like(block.pool_base)  # [M, S, P]
+    state = block.state.contiguous()
+    projected = F.linear(state, weights.state_weight)  # [M, 3G + R]: slot 0's, the only matmul outside the kernel
+    for slot in range(num_slots):
+        projected, state = head_step(
+            projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, indices, pool_logits,
+            block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
+        )  # fmt: skip
+    logits, confidence = _pooled_outputs(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
+    return token_ids(indices, weights.vocab), logits, confidence
+
+
+def fused_greedy_head(
+    base_logits: torch.Tensor,
+    draft_hidden: torch.Tensor,
+    anchor_embeds: torch.Tensor,
+    weights: HeadWeights,
+    first_corrected: int,
+    pool_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`head_domino.greedy_head` with the fused step: `fused_pooled_slot_loop` (the plain `slot_loop` without a
+    candidate pool, which the kernel needs)."""
+    block = block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size)
+    if not pool_size:
+        return slot_loop(base_logits, block, weights, first_corrected)
+    return fused_pooled_slot_loop(base_logits, block, weights, first_corrected)
+
+
+def fuse_head_step(draft, fused: bool = True):
+    """Make `draft`'s greedy drafting with a candidate pool (`DraftingOptions(candidate_pool=...)`) run one Triton
+    kernel per slot (`fused=False` goes back to the unfused loop). Returns the draft.
+
+    `compile_drafting` compiles it too, set before or after. Nothing is saved: the greedy head is a plain attribute of
+    the draft (`_greedy_head`, read by `DominoDraftModel.draft_from_block`).
+    `RuntimeError` if the kernel cannot run on the draft's device.
+    """
+    if not fused:
+        draft.__dict__.pop("_greedy_head", None)
+        return draft
+    if not kernel_runs_on(draft.device):
+        raise RuntimeError(
+            f"the fused head step runs a Triton kernel on CUDA, but the draft is on {draft.device} and Triton is "
+            f"{'installed' if triton_available() else 'not installed'}: draft without fuse_head_step there."
+        )
+    draft.__dict__["_greedy_head"] = fused_greedy_head
+    return draft
+
+
+__all__ = ["LAUNCH_CONFIGS", "LaunchConfig", "fuse_head_step", "fused_greedy_head", "fused_pooled_slot_loop",
+           "head_step", "kernel_runs_on", "triton_available", "tuned_launch_configs"]  # fmt: skip

@@ -1,1 +1,0 @@
-../../head_step_triton.py

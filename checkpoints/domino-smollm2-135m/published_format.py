@@ -1,1 +1,0 @@
-../../published_format.py
