@@ -22,6 +22,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -116,14 +117,14 @@ class DraftSampling:
         return torch.multinomial(warped.softmax(-1), 1, generator=generator).squeeze(-1), warped
 
 
-def expected_rates(confidence: torch.Tensor, costs: DraftCosts) -> list[float]:
-    """The expected tokens per second of a round verifying k = 0..S of the drafts, for `confidence` `[B, S]` (every
-    row verifies the same number) and the round's costs (the verify cost taken non-decreasing in k, so one noisy
-    measurement cannot make a longer pass look cheaper)."""
-    num_drafts = min(confidence.shape[1], len(costs.verify_seconds) - 1)
-    confidence = confidence[:, :num_drafts].double().nan_to_num(0.0)  # NaN: a slot that had no finite logit
-    reach = confidence.cumprod(dim=1).sum(dim=0)  # [S]: rows reaching draft i
-    expected = confidence.shape[0] + torch.cat([reach.new_zeros(1), reach.cumsum(0)])  # [S + 1]: for k = 0..S drafts
+def expected_rates(reach: torch.Tensor, costs: DraftCosts) -> list[float]:
+    """The expected tokens per second of a round verifying k = 0..S tokens after the anchor, for `reach` `[B, S]`,
+    the probability that each row accepts its i-th verified token (in a chain, the product of the confidences up to
+    it; in a tree, its path's), every row verifying the same number, and the round's costs (the verify cost taken
+    non-decreasing in k, so one noisy measurement cannot make a longer pass look cheaper)."""
+    num_drafts = min(reach.shape[1], len(costs.verify_seconds) - 1)
+    accepted = reach[:, :num_drafts].double().nan_to_num(0.0).sum(dim=0)  # [S]; NaN: a slot with no finite logit
+    expected = reach.shape[0] + torch.cat([accepted.new_zeros(1), accepted.cumsum(0)])  # [S + 1]: for k = 0..S
     seconds = costs.draft_seconds + torch.tensor(costs.verify_seconds[: num_drafts + 1]).cummax(0).values
     return (expected / seconds).tolist()
 
@@ -136,7 +137,7 @@ def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts, look_ahead:
     for tokens not drawn from the draft, the length with the most expected tokens per second over all lengths
     (a CPU's verify cost can jump at two drafts and stay flat after, where only a longer block pays).
     """
-    rates = expected_rates(confidence, costs)
+    rates = expected_rates(confidence.double().nan_to_num(0.0).cumprod(dim=1), costs)
     if look_ahead:
         return _fastest(rates)
     falls = [k for k in range(len(rates) - 1) if rates[k + 1] < rates[k]]
@@ -261,12 +262,14 @@ class CostAwareDrafting:
         else:
             self.cost_models = costs
         self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
-        self.expected: torch.Tensor | None = None  # [S]: the recent calibrated confidences, per draft position
+        self.expected: torch.Tensor | None = None  # [S]: recent rounds' calibrated reach (`expected_rates`), per token
         self.pays, self.skipped, self.wait = True, 0, 1
-        # Drafts accepted, and their predicted confidence summed, over drafts verified with all before them accepted.
-        # Both start at 2: a prior of a calibrated draft.
+        # Drafts accepted, and the probability the draft predicted for them summed, over drafts verified with all
+        # before them accepted (a chain's confidences) or over every node (a tree's path probabilities). Both start
+        # at 2: a prior of a calibrated draft.
         self.hits, self.predicted = 2.0, 2.0
-        self.confidence: torch.Tensor | None = None  # [B, S]: the last drafted round's, until it is verified
+        self.predictions: torch.Tensor | None = None  # [B, S]: the last drafted round's, until it is verified
+        self.tree = False  # whether those are a tree's path probabilities
         self.max_ngram_size = prompt_lookup
         num_drafts = len(self.cost_models(1).costs().verify_seconds) - 1
         # Per matched n-gram size and position: looked-up tokens accepted, and verified with all before them accepted.
@@ -317,14 +320,31 @@ class CostAwareDrafting:
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:
         """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
-        costs = self.cost_models(confidence.shape[0]).costs()
-        self.confidence = confidence.double().nan_to_num(0.0).cpu()  # NaN: a slot that had no finite logit
-        calibrated = (self.confidence * self.calibration).clamp(max=1.0)
-        recent = calibrated.mean(0)
+        calibrated = self._predicted(confidence, tree=False)
+        costs = self._remember(calibrated.cumprod(dim=1))
+        return min(limit, choose_draft_length(calibrated, costs, self.look_ahead))
+
+    def tree_size(self, path_probs: torch.Tensor) -> int:
+        """After growing a tree: how many of its nodes to verify, given each row's nodes in the order they were
+        added (so every prefix is a tree) and `path_probs` `[B, N]`, the probability the draft gives the path to
+        each. The prefix with the most expected tokens per second (greedy decoding may look ahead)."""
+        reach = self._predicted(path_probs, tree=True)
+        return _fastest(expected_rates(reach, self._remember(reach)))
+
+    def _predicted(self, probs: torch.Tensor, tree: bool) -> torch.Tensor:
+        """The round's predicted probabilities, kept until verified, and calibrated."""
+        self.predictions, self.tree = probs.double().nan_to_num(0.0).cpu(), tree  # NaN: a slot with no finite logit
+        return (self.predictions * self.calibration).clamp(max=1.0)
+
+    def _remember(self, reach: torch.Tensor) -> DraftCosts:
+        """Fold a drafted round's `reach` `[B, S]` into the recent rounds' and decide whether drafting pays; returns
+        the costs at its batch size."""
+        costs = self.cost_models(reach.shape[0]).costs()
+        recent = reach.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
         self.pays = max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self.MAX_SKIPPED)
-        return min(limit, choose_draft_length(calibrated, costs, self.look_ahead))
+        return costs
 
     def accepted(self, num_verified: int, num_accepted: list[int], seconds: float | None = None) -> None:
         """After verifying: how many of the `num_verified` tokens each row accepted, and, if timed, the seconds the
@@ -337,16 +357,17 @@ class CostAwareDrafting:
         for size, row_reached, row_hit in zip(self.looked_up, reached, hit):
             self.lookup_reached[size - 1, :num_verified] += row_reached.double()
             self.lookup_accepted[size - 1, :num_verified] += row_hit.double()
-        if self.confidence is not None and not self.looked_up:
-            self.predicted += float((self.confidence[:, :num_verified] * reached).sum())
+        if self.predictions is not None and not self.looked_up:
+            predictions = self.predictions[:, :num_verified]
+            self.predicted += float(predictions.sum() if self.tree else (predictions * reached).sum())
             self.hits += float(hit.sum())
-        self.looked_up, self.confidence = [], None
+        self.looked_up, self.predictions = [], None
 
     def _lookup_length(self, ngram_size: int, num_tokens: int, costs: DraftCosts) -> int:
         """How many of `num_tokens` looked-up tokens to verify: 0 where a drafting round (if it pays) or a plain step
         is expected to commit tokens faster."""
         rates = self.lookup_accepted[ngram_size - 1, :num_tokens] / self.lookup_reached[ngram_size - 1, :num_tokens]
-        looked_up = expected_rates(rates[None], DraftCosts(costs.verify_seconds, 0.0))  # no drafting round
+        looked_up = expected_rates(rates.cumprod(0)[None], DraftCosts(costs.verify_seconds, 0.0))  # no drafting
         best_other = 1 / costs.verify_seconds[0]
         if self.pays and self.expected is not None:
             best_other = max(best_other, *expected_rates(self.expected[None], costs))
@@ -365,7 +386,7 @@ def learned_costs(target, draft, options: DraftingOptions | None = None) -> Call
     round_options = replace(options, draft_length="auto", draft_costs=None, prompt_lookup=0)  # what a round runs
     per_draft = _learned.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
     models = per_draft.setdefault((round_options, str(target.device), target.dtype), {})
-    num_drafts = draft.config.num_draft_tokens
+    num_drafts = max(draft.config.num_draft_tokens, options.tree_nodes)
 
     def cost_model(batch_size: int) -> CostModel:
         return models.setdefault(batch_size, CostModel(num_drafts))
@@ -405,11 +426,22 @@ class DeviceClock:
 @dataclass
 class DraftRound:
     """What a round verifies after each row's anchor: `tokens` `[B, k]`, the logits `[B, k, V]` they were drawn from
-    (None where no draft was drawn and the decoding is greedy), and whether they followed a repeat of the context."""
+    (None where no draft was drawn and the decoding is greedy), whether they followed a repeat of the context, and
+    for a tree each token's `parents` `[B, k]` (0: the anchor, i: the i-th token; a chain is i - 1 for token i)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor | None
     looked_up: bool = False
+    parents: torch.Tensor | None = None
+
+
+class DraftTree(NamedTuple):
+    """A tree of drafts per row, nodes in the order they were added (every prefix is a tree): `tokens`, `parents`
+    (as `DraftRound.parents`) and `path_probs`, the probability the draft gives the path to each node, `[B, N]`."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    path_probs: torch.Tensor
 
 
 def draft_round(
@@ -429,12 +461,15 @@ def draft_round(
     prefix_ids: torch.LongTensor | None = None,
     generator: torch.Generator | None = None,
     options: DraftingOptions | None = None,
+    grow_tree: Callable[..., DraftTree] | None = None,
 ) -> DraftRound:
     """One round's drafts, for the native engine and `generate(assistant_model=draft)` alike: plan the round (draft,
     verify looked-up tokens, or a plain step: `CostAwareDrafting.plan`), read the new `context` (target features
     `[B, T_new, F]`, their positions and mask) into the draft's cache, draft at most `limit` tokens after each row's
     anchor, and keep as many as pay (`CostAwareDrafting.length`). `sequences()` gives each row's committed tokens,
-    for prompt lookup. The drafting arguments are `DominoDraftModel.draft_block`'s."""
+    for prompt lookup. The drafting arguments are `DominoDraftModel.draft_block`'s. With `grow_tree(block, limit)`
+    (greedy decoding only) the round drafts a tree from the backbone's block instead of a chain, and keeps the
+    prefix of its nodes that pays (`CostAwareDrafting.tree_size`)."""
     planned = drafting.plan(sequences(), limit) if drafting is not None and limit > 0 else None
     if limit == 0 or planned is not None:  # no drafting this round: the draft only reads the context
         draft.extend_context(past_key_values, *context)
@@ -444,6 +479,15 @@ def draft_round(
         return DraftRound(planned, certain_logits(planned, vocab_size) if do_sample else None, looked_up=True)
     clock = DeviceClock(anchor_ids.device)
     start = clock()
+    if grow_tree is not None:
+        draft.extend_context(past_key_values, *context)
+        block = draft.block_logits(anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head)
+        tree = grow_tree(block, limit)
+        num_nodes = tree.tokens.shape[1]
+        if drafting is not None:
+            drafting.drafted(clock() - start, anchor_ids.shape[0])
+            num_nodes = drafting.tree_size(tree.path_probs)
+        return DraftRound(tree.tokens[:, :num_nodes], None, parents=tree.parents[:, :num_nodes] if num_nodes else None)
     block = draft.draft_block(
         anchor_ids=anchor_ids,
         anchor_position_ids=anchor_position_ids,
@@ -468,6 +512,6 @@ def draft_round(
 
 
 __all__ = ["DRAFT_LENGTHS", "CostAwareDrafting", "CostModel", "DeviceClock",
-           "DraftCosts", "DraftRound", "DraftSampling", "DraftingOptions", "certain_logits", "choose_draft_length",
+           "DraftCosts", "DraftRound", "DraftTree", "DraftSampling", "DraftingOptions", "certain_logits", "choose_draft_length",
            "cost_aware_drafting", "draft_round", "expected_rates", "forget_draft_costs", "learned_costs",
            "prompt_lookup"]  # fmt: skip

@@ -11,6 +11,8 @@ features of the verified slots enter the draft cache at the start of the next ro
 Shapes: B batch (active rows), P prompt, C cache slots, S drafts per block, V vocabulary, F fused target features.
 """
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +21,10 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
 from ..configuration_domino import check_input_ids
-from ..drafting import DeviceClock, DraftingOptions, DraftRound, DraftSampling, cost_aware_drafting, draft_round
+from ..drafting import DeviceClock, DraftingOptions, DraftRound, DraftTree, DraftSampling, cost_aware_drafting, draft_round
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
+from .trees import accept_tree, grow_tree, left_the_first_branch, tree_attention_mask, tree_depths
 
 
 @dataclass
@@ -47,6 +50,10 @@ class SpeculativeOutput:
             fewer than the block's).
         looked_up_rounds (`int`): rounds that verified the tokens following an earlier occurrence of the context's
             last tokens instead of drafts (`DraftingOptions.prompt_lookup`).
+        plain_rounds (`int`): rounds that verified nothing after the anchor, plain decode steps: where the
+            cost-aware draft length found that neither drafting nor looked-up tokens would pay.
+        tree_rounds (`int`): rounds that verified a tree of drafts (`DraftingOptions.tree_nodes`); branch_wins
+            (`int`): rows of those rounds whose accepted path left the draft's likeliest branch somewhere.
     """
 
     sequences: torch.LongTensor
@@ -62,6 +69,9 @@ class SpeculativeOutput:
     num_rounds: int = 0
     drafts_verified: int = 0
     looked_up_rounds: int = 0
+    plain_rounds: int = 0
+    tree_rounds: int = 0
+    branch_wins: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -148,6 +158,7 @@ class _Setup:
     options: DraftingOptions | None
     cache_name: str  # the target forward's cache keyword
     takes_logits_to_keep: bool
+    grow_tree: Callable[..., DraftTree] | None = None  # a round's tree (`trees.grow_tree`), None: chains
 
     def forward(self, cache, **inputs):
         """The target's forward with its cache, returning tapped hidden states when there is a draft."""
@@ -168,7 +179,8 @@ class _Record:
         self.accepted = torch.zeros(setup.num_drafts, dtype=torch.long)  # per draft position
         self.verified = torch.zeros(setup.num_drafts, dtype=torch.long)
         self.draft_time = self.verify_time = 0.0
-        self.num_rounds = self.drafts_verified = self.looked_up_rounds = 0
+        self.num_rounds = self.drafts_verified = self.looked_up_rounds = self.plain_rounds = 0
+        self.tree_rounds = self.branch_wins = 0
 
     def tokens(self, row: int) -> torch.Tensor:
         """The committed tokens `[T]` of original row `row`: its prompt and what it generated."""
@@ -185,16 +197,23 @@ class _Record:
             if is_round:
                 self.acceptance_lengths[row].append(tokens)
 
-    def round(self, num_accepted: torch.Tensor, num_drafts: int, draft_time: float, verify_time: float,
-              looked_up: bool) -> None:  # fmt: skip
-        drafts = torch.arange(num_drafts, device=num_accepted.device)
-        self.accepted[:num_drafts] += (num_accepted[:, None] > drafts).sum(0).cpu()
-        self.verified[:num_drafts] += num_accepted.shape[0]
+    def round(self, num_accepted: torch.Tensor, drafted: DraftRound, valid: torch.Tensor, draft_time: float,
+              verify_time: float) -> None:  # fmt: skip
+        """A round's statistics; a tree's positions are its depths."""
+        num_drafts = drafted.tokens.shape[1]
+        depth = num_drafts if drafted.parents is None else int(tree_depths(drafted.parents).max())
+        positions = torch.arange(depth, device=num_accepted.device)
+        self.accepted[:depth] += (num_accepted[:, None] > positions).sum(0).cpu()
+        self.verified[:depth] += num_accepted.shape[0]
         self.draft_time += draft_time
         self.verify_time += verify_time
         self.num_rounds += 1
         self.drafts_verified += num_drafts
-        self.looked_up_rounds += looked_up
+        self.looked_up_rounds += drafted.looked_up
+        self.plain_rounds += num_drafts == 0
+        if drafted.parents is not None:
+            self.tree_rounds += 1
+            self.branch_wins += int(left_the_first_branch(drafted.parents, valid).sum())
 
     def output(self, input_ids: torch.Tensor, prefill_time: float, total_time: float) -> SpeculativeOutput:
         return SpeculativeOutput(
@@ -211,6 +230,9 @@ class _Record:
             num_rounds=self.num_rounds,
             drafts_verified=self.drafts_verified,
             looked_up_rounds=self.looked_up_rounds,
+            plain_rounds=self.plain_rounds,
+            tree_rounds=self.tree_rounds,
+            branch_wins=self.branch_wins,
         )
 
 
@@ -256,8 +278,10 @@ def speculative_generate(
     clock = DeviceClock(input_ids.device)
     start = clock()
     record = _Record(input_ids, attention_mask, setup, pad_token_id)
-    max_slots = input_ids.shape[1] + max_new_tokens * (setup.num_drafts + 1)  # every round's rejected drafts kept
+    num_verified = max(setup.num_drafts, setup.options.tree_nodes if draft is not None else 0)
+    max_slots = input_ids.shape[1] + max_new_tokens * (num_verified + 1)  # every round's rejected drafts kept
     cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
+    setup.grow_tree = _tree_grower(setup, cache, max_slots)
     draft_cache = DominoContextCache()
     drafting = None
     if draft is not None:
@@ -275,17 +299,17 @@ def speculative_generate(
         limit = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
         tick = clock()
         drafted = _draft(setup, rows, record, draft_cache, limit, drafting)
-        draft_tokens, num_drafts = drafted.tokens, drafted.tokens.shape[1]  # [B, S]
+        num_drafts = drafted.tokens.shape[1]  # [B, S] tokens (a tree's nodes) after the anchor
         tock = clock()
-        outputs, verify_positions = _verify(setup, rows, draft_tokens, cache)
-        num_accepted, next_token = _accept(setup, draft_tokens, drafted.logits, outputs.logits)
+        outputs, verify_positions = _verify(setup, rows, drafted, cache)
+        accepted_tokens, num_accepted, next_token, valid = _accept(setup, drafted, outputs.logits)
         verify_seconds = clock() - tock
-        record.round(num_accepted, num_drafts, tock - tick, verify_seconds, drafted.looked_up)
+        record.round(num_accepted, drafted, valid, tock - tick, verify_seconds)
         if drafting is not None:
             drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds)
 
         # commit: accepted drafts plus the target's token, cut at EOS and at the length budget
-        candidates = torch.cat([draft_tokens, next_token[:, None]], dim=-1)  # [B, S + 1]
+        candidates = torch.cat([accepted_tokens[:, : setup.num_drafts], next_token[:, None]], dim=-1)  # [B, S + 1]
         candidates.scatter_(1, num_accepted[:, None], next_token[:, None])
         count, finished = _commit_count(setup, candidates, torch.minimum(num_accepted + 1, budget), budget)
         record.commit(rows, candidates, count, is_round=True)
@@ -293,7 +317,6 @@ def speculative_generate(
             streamer.put(candidates[0, : int(count[0])].cpu())
 
         # update: the anchor's and accepted drafts' slots hold committed tokens; the target's token is the new anchor
-        valid = torch.arange(num_drafts + 1, device=count.device)[None, :] <= num_accepted[:, None]  # [B, S + 1]
         rows.anchor, rows.length, rows.num_generated = next_token, rows.length + count, rows.num_generated + count
         rows.slot_mask = torch.cat([rows.slot_mask, valid.to(rows.slot_mask.dtype)], dim=-1)
         rows.features = _masked_features(setup.draft, outputs, valid)
@@ -353,6 +376,28 @@ def _new_target_cache(target: PreTrainedModel, batch_size: int, num_drafts: int,
     return cache
 
 
+def _tree_grower(setup: _Setup, cache, max_slots: int) -> Callable[..., DraftTree] | None:
+    """What grows a round's tree under `DraftingOptions.tree_nodes`; None for chains, with a warning where the run
+    asked for trees that this target or decoding cannot verify."""
+    draft, options = setup.draft, setup.options
+    if draft is None or options.tree_nodes == 0:
+        return None
+    attention = setup.target.config._attn_implementation
+    if setup.do_sample:
+        problem = "sampling verifies chains (exact rejection sampling over one draft per position)"
+    elif draft.head is None:
+        problem = "the draft has no Domino head to roll along each branch"
+    elif attention not in ("eager", "sdpa"):
+        problem = f"its {attention!r} attention takes no tree mask (eager and sdpa do)"
+    elif not all(_ignores_holes(layer, max_slots) for layer in cache.layers):
+        problem = "a tree's unaccepted nodes stay in its cache as masked holes, which only full attention ignores"
+    else:
+        embed_tokens = setup.target.get_input_embeddings()
+        return lambda block, max_depth: grow_tree(draft, block, embed_tokens, options.tree_nodes, max_depth)
+    warnings.warn(f"tree_nodes={options.tree_nodes}: verifying chains instead, since {problem}.", stacklevel=3)
+    return None
+
+
 def _ignores_holes(layer, max_slots: int) -> bool:
     """Whether masked slots leave what a row attends to unchanged: in full attention, and in a sliding window too
     wide to ever slide over the cache."""
@@ -410,26 +455,41 @@ def _draft(setup: _Setup, rows: _Rows, record: _Record, draft_cache: DominoConte
         sampling=setup.sampling,
         generator=setup.generator,
         options=setup.options,
+        grow_tree=setup.grow_tree,
     )
 
 
-def _verify(setup: _Setup, rows: _Rows, draft_tokens: torch.Tensor, cache):
-    """The target reads `[anchor, d_1..d_S]` of every row after its committed slots (holes masked)."""
-    verify_ids = torch.cat([rows.anchor[:, None], draft_tokens], dim=-1)  # [B, S + 1]
-    positions = (rows.length - 1)[:, None] + torch.arange(verify_ids.shape[1], device=verify_ids.device)
-    attention_mask = torch.cat([rows.slot_mask, torch.ones_like(verify_ids)], dim=-1)  # [B, C + S + 1]
+def _verify(setup: _Setup, rows: _Rows, drafted: DraftRound, cache):
+    """The target reads `[anchor, d_1..d_S]` of every row after its committed slots (holes masked); a tree's nodes
+    see their ancestors only, at the anchor's position plus their depth."""
+    verify_ids = torch.cat([rows.anchor[:, None], drafted.tokens], dim=-1)  # [B, S + 1]
+    if drafted.parents is None:
+        offsets = torch.arange(verify_ids.shape[1], device=verify_ids.device)
+        attention_mask = torch.cat([rows.slot_mask, torch.ones_like(verify_ids)], dim=-1)  # [B, C + S + 1]
+    else:
+        offsets = tree_depths(drafted.parents)
+        attention_mask = tree_attention_mask(drafted.parents, rows.slot_mask, setup.target.dtype)
+    positions = (rows.length - 1)[:, None] + offsets
     outputs = setup.forward(cache, input_ids=verify_ids, attention_mask=attention_mask, position_ids=positions)
     return outputs, positions
 
 
-def _accept(setup: _Setup, draft_tokens, draft_logits, target_logits) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(num_accepted [B], next_token [B])`: greedy matching, or exact rejection sampling on processed logits."""
+def _accept(setup: _Setup, drafted: DraftRound, target_logits):
+    """Greedy matching (down a tree), or exact rejection sampling on processed logits: the accepted drafts `[B, S]`
+    (left-aligned), their count `[B]`, the target's next token `[B]`, and the verify slots holding committed tokens
+    `[B, S + 1]`."""
     target_logits = process_logits(setup.warpers, target_logits)  # [B, S + 1, V]
+    if drafted.parents is not None:
+        return accept_tree(drafted.tokens, drafted.parents, target_logits)
     if not setup.do_sample:
-        return greedy_accept(draft_tokens, target_logits)
-    # q: the distributions the drafts were drawn from (none in plain decoding)
-    draft_probs = target_logits[:, :0] if draft_logits is None else draft_logits.float().softmax(-1)  # [B, S, V]
-    return rejection_sample(draft_tokens, draft_probs, target_logits.softmax(-1), setup.generator)
+        num_accepted, next_token = greedy_accept(drafted.tokens, target_logits)
+    else:
+        # q: the distributions the drafts were drawn from (none in plain decoding)
+        draft_probs = target_logits[:, :0] if drafted.logits is None else drafted.logits.float().softmax(-1)
+        num_accepted, next_token = rejection_sample(drafted.tokens, draft_probs, target_logits.softmax(-1),
+                                                    setup.generator)  # fmt: skip
+    valid = torch.arange(drafted.tokens.shape[1] + 1, device=num_accepted.device) <= num_accepted[:, None]
+    return drafted.tokens, num_accepted, next_token, valid
 
 
 def _commit_count(setup: _Setup, candidates, count, budget) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,143 @@
+"""Domino trees: a round verifies a tree of drafts, not a chain, in one target pass.
+
+The backbone runs once per round, as for a chain. The head is causal, so each branch gets its own corrected
+distribution: rolling the GRU along a branch's tokens over the backbone's states gives the distribution of that
+node's children. `grow_tree` adds nodes best first, by the probability the draft gives the path to each (the
+product of the head's probabilities along it), so every prefix of its nodes is a tree and the cost-aware length
+keeps the prefix that pays. Greedy verification follows the target's argmax down the tree (`accept_tree`): the
+output is the target's own greedy decoding.
+
+The verify pass reads `[anchor, node_1..node_N]`; each node attends to the committed cache and to its ancestors only
+(`tree_attention_mask`), at position anchor + depth. The engine keeps the accepted path's slots and masks the rest as
+holes, as it does for a batch's rejected drafts.
+
+Shapes: B rows, N nodes, K children offered per node, V draft vocabulary, G GRU state, R rank, C cache slots.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..drafting import DraftTree
+from ..head_domino import block_inputs, gru_cell, input_gates, token_ids
+from ..modeling_domino import DominoBlock
+
+CHILDREN_PER_NODE = 4  # each node offers its K likeliest next tokens as candidate children
+
+
+@torch.no_grad()
+def grow_tree(draft, block: DominoBlock, embed_tokens: torch.nn.Module, num_nodes: int, max_depth: int) -> DraftTree:
+    """A tree of `num_nodes` drafts per row, at most `max_depth` deep, from the backbone's `block`.
+
+    Best first: each step adds, in every row, the candidate with the highest path probability, runs the GRU on its
+    token from its parent's state, and offers its K likeliest children (the head's logits at the slot of its depth).
+    A row whose candidates run out adds nodes of path probability 0, which the cost-aware length leaves out.
+    """
+    head = draft.head
+    weights = head.weights(embed_tokens, draft.draft_vocab, block.base_logits.dtype, whole_vocabulary=True)
+    inputs = block_inputs(block.base_logits, block.hidden, block.anchor_embeds, weights)
+    base_logits, rows = block.base_logits, torch.arange(block.base_logits.shape[0], device=block.base_logits.device)
+    state_width = weights.weight_ih.shape[0]  # 3G
+
+    def offer(state: torch.Tensor, depth: torch.Tensor, path_prob: torch.Tensor):
+        """The K likeliest children `[B, K]` of nodes with GRU `state` `[B, G]` at `depth` `[B]`: their draft
+        vocabulary indices and path probabilities, and the nodes' state projection `[B, 3G + R]`."""
+        projected = F.linear(state, weights.state_weight)
+        slot = depth.clamp(max=base_logits.shape[1] - 1)
+        logits = base_logits[rows, slot]  # [B, V]
+        residual = F.silu(inputs.hidden_part[rows, slot] + projected[:, state_width:]).to(logits.dtype) @ weights.up_columns
+        logits = torch.where((slot >= head.first_corrected_slot)[:, None], logits + residual, logits)
+        probs, indices = logits.float().softmax(-1).topk(CHILDREN_PER_NODE, dim=-1)
+        probs = torch.where((depth < max_depth)[:, None], probs * path_prob[:, None], -1.0)  # none past the depth
+        return indices, probs, projected
+
+    root_depth = torch.zeros_like(rows)
+    indices, probs, projected = offer(inputs.state, root_depth, torch.ones_like(rows, dtype=torch.float32))
+    candidates = [indices, probs, torch.zeros_like(indices), torch.ones_like(indices)]  # index, prob, parent, depth
+    states, projections = [inputs.state], [projected]
+    tokens, parents, path_probs = [], [], []
+    for _ in range(num_nodes):
+        index, prob, parent, depth = candidates
+        best = prob.argmax(-1, keepdim=True)  # [B, 1]
+        chosen_index, chosen_prob, chosen_parent, chosen_depth = (c.gather(1, best).squeeze(1) for c in candidates)
+        prob.scatter_(1, best, -1.0)  # taken
+        parent_state = torch.stack(states, 1)[rows, chosen_parent]  # [B, G]
+        parent_gates = torch.stack(projections, 1)[rows, chosen_parent, :state_width]  # [B, 3G]
+        state = gru_cell(input_gates(weights, chosen_index), parent_gates, parent_state)
+        path_prob = chosen_prob.clamp(min=0.0)
+        new_indices, new_probs, projected = offer(state, chosen_depth, path_prob)
+        states.append(state)
+        projections.append(projected)
+        offered = (new_indices, new_probs, torch.full_like(new_indices, len(states) - 1),
+                   (chosen_depth + 1)[:, None].expand_as(new_indices))  # fmt: skip
+        candidates = [torch.cat([old, new], 1) for old, new in zip(candidates, offered)]
+        tokens.append(token_ids(chosen_index, draft.draft_vocab))
+        parents.append(chosen_parent)
+        path_probs.append(path_prob)
+    return DraftTree(torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(path_probs, 1))
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """The depth `[B, N + 1]` of the anchor (0) and of each node, from `parents` `[B, N]` (0: the anchor)."""
+    depths = [torch.zeros_like(parents[:, 0])]
+    for node in range(parents.shape[1]):
+        depths.append(torch.stack(depths, 1).gather(1, parents[:, node : node + 1]).squeeze(1) + 1)
+    return torch.stack(depths, 1)
+
+
+def tree_ancestry(parents: torch.Tensor) -> torch.Tensor:
+    """`[B, N + 1, N + 1]`: whether slot j (the anchor, then the nodes) is slot i itself or one of its ancestors."""
+    batch_size, num_nodes = parents.shape
+    ancestry = torch.eye(num_nodes + 1, dtype=torch.bool, device=parents.device).repeat(batch_size, 1, 1)
+    rows = torch.arange(batch_size, device=parents.device)
+    for node in range(1, num_nodes + 1):
+        ancestry[:, node] |= ancestry[rows, parents[:, node - 1]]
+    return ancestry
+
+
+def tree_attention_mask(parents: torch.Tensor, slot_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The verify pass's additive mask `[B, 1, N + 1, C + N + 1]`: each slot of `[anchor, nodes]` sees the committed
+    cache slots (`slot_mask` `[B, C]`) and its own ancestors; 0 where it attends, the dtype's minimum elsewhere."""
+    num_slots = parents.shape[1] + 1
+    cache = slot_mask.bool()[:, None, :].expand(-1, num_slots, -1)
+    allowed = torch.cat([cache, tree_ancestry(parents)], dim=-1)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=parents.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor):
+    """Greedy verification of a tree: from the anchor, step to the child holding the target's argmax while there is
+    one. For `tokens` and `parents` `[B, N]` and the target's logits `[B, N + 1, V]` at `[anchor, nodes]`, returns
+    the accepted tokens `[B, N]` (left-aligned), their count `[B]`, the target's next token `[B]`, and which verify
+    slots hold committed tokens `[B, N + 1]` (the anchor and the accepted path)."""
+    batch_size, num_nodes = tokens.shape
+    rows = torch.arange(batch_size, device=tokens.device)
+    choice = target_logits.argmax(-1)  # [B, N + 1]
+    current = torch.zeros_like(rows)  # the verify slot reached: 0 is the anchor
+    accepted = torch.zeros_like(tokens)
+    count = torch.zeros_like(rows)
+    valid = torch.zeros(batch_size, num_nodes + 1, dtype=torch.bool, device=tokens.device)
+    valid[:, 0] = True
+    for _ in range(num_nodes):
+        wanted = choice[rows, current]  # [B]
+        match = (parents == current[:, None]) & (tokens == wanted[:, None])  # [B, N]
+        found = match.any(-1)
+        if not bool(found.any()):
+            break
+        child = match.long().argmax(-1)  # the first matching child
+        accepted[rows[found], count[found]] = tokens[rows[found], child[found]]
+        valid[rows[found], child[found] + 1] = True
+        current = torch.where(found, child + 1, current)
+        count = count + found.long()
+    return accepted, count, choice[rows, current], valid
+
+
+def left_the_first_branch(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`[B]`: whether a row's accepted path took a node other than its parent's first child (the draft's likeliest
+    continuation there): a branch a chain would not have verified."""
+    num_nodes = parents.shape[1]
+    node_ids = torch.arange(num_nodes, device=parents.device)
+    siblings_before = (parents[:, None, :] == parents[:, :, None]) & (node_ids[None, :] < node_ids[:, None])  # [B, N, N]
+    return (siblings_before.any(-1) & valid[:, 1:]).any(-1)
+
+
+__all__ = ["CHILDREN_PER_NODE", "accept_tree", "grow_tree", "left_the_first_branch", "tree_ancestry", "tree_attention_mask",
+           "tree_depths"]

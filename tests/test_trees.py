@@ -1,0 +1,133 @@
+"""Domino trees (`generation/trees.py`): one verify pass over a tree of drafts per row, greedy decoding unchanged.
+
+The tiny targets here have a 12-token vocabulary, so a random draft's other branches often hold the target's token:
+rounds accept nodes off the draft's likeliest branch, which a chain would never have verified.
+"""
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import random_prompts
+
+from domino_spec import DraftCosts, DraftingOptions
+from domino_spec.generation import left_pad, speculative_generate
+from domino_spec.generation.trees import (
+    CHILDREN_PER_NODE,
+    accept_tree,
+    grow_tree,
+    left_the_first_branch,
+    tree_ancestry,
+    tree_attention_mask,
+    tree_depths,
+)
+
+VOCAB_SIZE = 12
+TREE = DraftingOptions(draft_length="full", tree_nodes=8, prompt_lookup=0)
+
+
+def small_vocabulary_models(family: str):
+    target = tiny_target(family, dtype=torch.float64, vocab_size=VOCAB_SIZE)
+    target.generation_config.eos_token_id = None  # stops come from each case
+    draft = tiny_draft(target, block_size=6).to(torch.float64)
+    return target, draft
+
+
+def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+    return target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                           do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)  # fmt: skip
+
+
+def test_a_hand_made_tree_has_its_depths_ancestors_mask_and_accepted_path():
+    # anchor -> a (1), b (2); a -> c (3), d (4); d -> e (5)
+    parents = torch.tensor([[0, 0, 1, 1, 4]])
+    tokens = torch.tensor([[7, 8, 9, 10, 11]])
+    assert tree_depths(parents).tolist() == [[0, 1, 1, 2, 2, 3]]
+    ancestry = tree_ancestry(parents)[0]
+    assert ancestry[5].nonzero().flatten().tolist() == [0, 1, 4, 5]  # e sees the anchor, a, d and itself
+    assert ancestry[2].nonzero().flatten().tolist() == [0, 2]
+    mask = tree_attention_mask(parents, torch.tensor([[1, 0, 1]]), torch.float32)
+    assert mask.shape == (1, 1, 6, 3 + 6)
+    assert (mask[0, 0, :, 1] < 0).all() and (mask[0, 0, :, [0, 2]] == 0).all()  # a hole is masked for every node
+    # The target picks a at the anchor, d after a, then 3 after d: two accepted, then its own token 3.
+    choice = torch.tensor([[7, 10, 0, 0, 3, 0]])
+    logits = torch.nn.functional.one_hot(choice, 12).double()
+    accepted, count, next_token, valid = accept_tree(tokens, parents, logits)
+    assert count.tolist() == [2] and accepted[0, :2].tolist() == [7, 10] and next_token.tolist() == [3]
+    assert valid[0].nonzero().flatten().tolist() == [0, 1, 4]
+    assert left_the_first_branch(parents, valid).tolist() == [True]  # d is a's second child
+
+
+def test_a_trees_first_branch_is_the_greedy_chain_and_path_probabilities_fall_along_it():
+    target, draft = small_vocabulary_models("qwen3")
+    prompt = random_prompts(1, seed=3, vocab_size=VOCAB_SIZE)[0]
+    outputs = target(prompt, output_hidden_states=True)
+    from domino_spec.cache_domino import DominoContextCache
+
+    cache = DominoContextCache()
+    positions = torch.arange(prompt.shape[1])[None]
+    features = draft.fuse_target_hidden_states(outputs.hidden_states)
+    draft.extend_context(cache, features[:, :-1], positions[:, :-1])
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    block = draft.block_logits(prompt[:, -1], positions[:, -1], cache, embed, head)
+    chain = draft.draft_from_block(block, embed, options=DraftingOptions())
+    tree = grow_tree(draft, block, embed, num_nodes=3 * CHILDREN_PER_NODE, max_depth=draft.config.num_draft_tokens)
+    node, path = 0, []
+    while True:  # follow each node's first child
+        children = (tree.parents[0] == node).nonzero().flatten()
+        if children.numel() == 0:
+            break
+        node = int(children[0]) + 1
+        path.append(node - 1)
+    assert tree.tokens[0, path].tolist() == chain.tokens[0, : len(path)].tolist()
+    assert torch.allclose(tree.path_probs[0, path], chain.confidence[0, : len(path)].cumprod(0).float(), rtol=1e-4)
+    assert (tree.parents < torch.arange(1, tree.parents.shape[1] + 1)).all()  # a parent comes before its children
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_tree_decoding_is_plain_greedy_decoding(family):
+    target, draft = small_vocabulary_models(family)
+    draft.drafting_options = TREE
+    branch_wins = 0
+    for index, prompt in enumerate(random_prompts(16, seed=0, vocab_size=VOCAB_SIZE)):
+        max_new_tokens = 9 + index % 7  # length limits at every depth of a tree
+        eos_token_id = index % VOCAB_SIZE if index % 2 else None  # EOS inside a round
+        expected = plain_greedy(target, prompt, max_new_tokens, eos_token_id)
+        output = speculative_generate(target, draft, prompt, max_new_tokens=max_new_tokens,
+                                      eos_token_id=[] if eos_token_id is None else eos_token_id)  # fmt: skip
+        assert torch.equal(output.sequences, expected), index
+        assert output.tree_rounds == output.num_rounds - output.plain_rounds  # a plain round where one token is left
+        branch_wins += output.branch_wins
+    assert branch_wins > 0  # accepted nodes a chain would not have verified
+
+    prompts = random_prompts(6, seed=1, vocab_size=VOCAB_SIZE)
+    input_ids, attention_mask = left_pad(prompts, 0)
+    output = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=14, eos_token_id=5)
+    for row, prompt in enumerate(prompts):  # every row its own tree, in one pass
+        generated = plain_greedy(target, prompt, 14, eos_token_id=5)[0, prompt.shape[1] :]
+        assert output.sequences[row, input_ids.shape[1] :][: generated.numel()].tolist() == generated.tolist()
+
+
+def test_cost_aware_trees_verify_only_the_nodes_that_pay():
+    target, draft = small_vocabulary_models("qwen3")
+    steep = DraftCosts(verify_seconds=tuple(1.0 + 0.15 * k for k in range(9)), draft_seconds=0.1)
+    per_round = {}
+    for draft_length in ("cost", "full"):
+        draft.drafting_options = DraftingOptions(draft_length=draft_length, draft_costs=steep, tree_nodes=8,
+                                                 prompt_lookup=0)  # fmt: skip
+        prompt = random_prompts(1, seed=5, vocab_size=VOCAB_SIZE)[0]
+        output = speculative_generate(target, draft, prompt, max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(output.sequences, plain_greedy(target, prompt, 24))
+        per_round[draft_length] = output.drafts_verified / output.num_rounds
+    assert per_round["cost"] < per_round["full"]
+
+
+def test_sampling_verifies_chains_and_says_why():
+    target, draft = small_vocabulary_models("qwen3")
+    draft.drafting_options = TREE
+    prompt = random_prompts(1, seed=2, vocab_size=VOCAB_SIZE)[0]
+    with pytest.warns(UserWarning, match="tree_nodes=8: verifying chains instead, since sampling"):
+        output = speculative_generate(target, draft, prompt, max_new_tokens=8, do_sample=True, eos_token_id=[],
+                                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert output.tree_rounds == 0 and output.num_new_tokens == [8]
+    with pytest.raises(ValueError, match="tree_nodes=-1 is invalid"):
+        DraftingOptions(tree_nodes=-1)
