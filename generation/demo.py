@@ -49,7 +49,8 @@ def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, m
     tokens = speculative.num_new_tokens[0]
     print(
         f"{tokens} tokens | mean acceptance length {speculative.mean_acceptance_length:.2f} "
-        f"({speculative.looked_up_rounds} of {speculative.num_rounds} rounds looked up) | "
+        f"({speculative.looked_up_rounds} of {speculative.num_rounds} rounds looked up, "
+        f"{speculative.plain_rounds} plain steps where neither drafting nor lookup would pay) | "
         f"Domino {tokens / speculative.total_time:.1f} tok/s vs plain {tokens / plain.total_time:.1f} tok/s "
         f"(speedup {plain.total_time / speculative.total_time:.2f}x) | identical to plain decoding: {same}"
     )
