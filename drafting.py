@@ -512,6 +512,7 @@ def draft_round(
 
 
 __all__ = ["DRAFT_LENGTHS", "CostAwareDrafting", "CostModel", "DeviceClock",
-           "DraftCosts", "DraftRound", "DraftTree", "DraftSampling", "DraftingOptions", "certain_logits", "choose_draft_length",
+           "DraftCosts", "DraftRound", "DraftTree", "DraftSampling", "DraftingOptions", "certain_logits",
+           "choose_draft_length",
            "cost_aware_drafting", "draft_round", "expected_rates", "forget_draft_costs", "learned_costs",
            "prompt_lookup"]  # fmt: skip

@@ -46,8 +46,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--draft-length", choices=DRAFT_LENGTHS, default="auto",
-        help="drafts verified per round: cost (as many as pay, by the costs learned from the run's own rounds), full (every draft), "
-        "auto (cost on CPU, full elsewhere)",
+        help="drafts verified per round: cost (as many as pay, by the costs learned from the run's own rounds), "
+        "full (every draft), auto (cost on CPU, full elsewhere)",
     )  # fmt: skip
     parser.add_argument(
         "--prompt-lookup", type=int, default=DraftingOptions.prompt_lookup, metavar="N",

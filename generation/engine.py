@@ -21,7 +21,15 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
 from ..configuration_domino import check_input_ids
-from ..drafting import DeviceClock, DraftingOptions, DraftRound, DraftTree, DraftSampling, cost_aware_drafting, draft_round
+from ..drafting import (
+    DeviceClock,
+    DraftingOptions,
+    DraftRound,
+    DraftSampling,
+    DraftTree,
+    cost_aware_drafting,
+    draft_round,
+)
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 from .trees import accept_tree, grow_tree, left_the_first_branch, tree_attention_mask, tree_depths
@@ -197,11 +205,10 @@ class _Record:
             if is_round:
                 self.acceptance_lengths[row].append(tokens)
 
-    def round(self, num_accepted: torch.Tensor, drafted: DraftRound, valid: torch.Tensor, draft_time: float,
-              verify_time: float) -> None:  # fmt: skip
-        """A round's statistics; a tree's positions are its depths."""
+    def round(self, num_accepted: torch.Tensor, drafted: DraftRound, valid: torch.Tensor, depth: int,
+              draft_time: float, verify_time: float) -> None:  # fmt: skip
+        """A round's statistics; a tree's positions are its depths (`depth`: the deepest draft verified)."""
         num_drafts = drafted.tokens.shape[1]
-        depth = num_drafts if drafted.parents is None else int(tree_depths(drafted.parents).max())
         positions = torch.arange(depth, device=num_accepted.device)
         self.accepted[:depth] += (num_accepted[:, None] > positions).sum(0).cpu()
         self.verified[:depth] += num_accepted.shape[0]
@@ -304,7 +311,8 @@ def speculative_generate(
         outputs, verify_positions = _verify(setup, rows, drafted, cache)
         accepted_tokens, num_accepted, next_token, valid = _accept(setup, drafted, outputs.logits)
         verify_seconds = clock() - tock
-        record.round(num_accepted, drafted, valid, tock - tick, verify_seconds)
+        depth = int((verify_positions - verify_positions[:, :1]).max())  # the deepest draft verified (0: none)
+        record.round(num_accepted, drafted, valid, depth, tock - tick, verify_seconds)
         if drafting is not None:
             drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds)
 

@@ -44,7 +44,8 @@ def grow_tree(draft, block: DominoBlock, embed_tokens: torch.nn.Module, num_node
         projected = F.linear(state, weights.state_weight)
         slot = depth.clamp(max=base_logits.shape[1] - 1)
         logits = base_logits[rows, slot]  # [B, V]
-        residual = F.silu(inputs.hidden_part[rows, slot] + projected[:, state_width:]).to(logits.dtype) @ weights.up_columns
+        activation = F.silu(inputs.hidden_part[rows, slot] + projected[:, state_width:]).to(logits.dtype)  # [B, R]
+        residual = activation @ weights.up_columns
         logits = torch.where((slot >= head.first_corrected_slot)[:, None], logits + residual, logits)
         probs, indices = logits.float().softmax(-1).topk(CHILDREN_PER_NODE, dim=-1)
         probs = torch.where((depth < max_depth)[:, None], probs * path_prob[:, None], -1.0)  # none past the depth
@@ -135,9 +136,10 @@ def left_the_first_branch(parents: torch.Tensor, valid: torch.Tensor) -> torch.T
     continuation there): a branch a chain would not have verified."""
     num_nodes = parents.shape[1]
     node_ids = torch.arange(num_nodes, device=parents.device)
-    siblings_before = (parents[:, None, :] == parents[:, :, None]) & (node_ids[None, :] < node_ids[:, None])  # [B, N, N]
+    # [B, N, N]: node j is an earlier child of node i's parent
+    siblings_before = (parents[:, None, :] == parents[:, :, None]) & (node_ids[None, :] < node_ids[:, None])
     return (siblings_before.any(-1) & valid[:, 1:]).any(-1)
 
 
-__all__ = ["CHILDREN_PER_NODE", "accept_tree", "grow_tree", "left_the_first_branch", "tree_ancestry", "tree_attention_mask",
-           "tree_depths"]
+__all__ = ["CHILDREN_PER_NODE", "accept_tree", "grow_tree", "left_the_first_branch", "tree_ancestry",
+           "tree_attention_mask", "tree_depths"]
