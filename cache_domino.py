@@ -11,16 +11,36 @@ class DominoContextCache:
     """Keys and values of the target context for every draft layer: context only, never block tokens.
 
     `attention_mask` (`[B, T]`, bool) marks the slots that hold committed tokens; it stays `None` while every slot
-    does (batch size one, no padding), so attention needs no mask.
+    does (batch size one, no padding), so attention needs no mask. Context of rounds that do not draft waits
+    unprojected (`defer`) until the next round that does, which projects it all at once.
     """
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []  # per layer: [B, Hkv, T, Dh]
         self.values: list[torch.Tensor] = []
         self.attention_mask: torch.Tensor | None = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # (features, positions, mask)
 
     def get_seq_length(self) -> int:
-        return self.keys[0].shape[-2] if self.keys else 0
+        """Context slots held, projected or pending."""
+        projected = self.keys[0].shape[-2] if self.keys else 0
+        return projected + sum(features.shape[1] for features, _, _ in self.pending)
+
+    def defer(self, features: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Hold target features `[B, T_new, F]`, their positions and mask until the next `take_pending`."""
+        self.pending.append((features, position_ids, attention_mask))
+
+    def take_pending(self, features: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """The pending context followed by `features`, `position_ids` and `attention_mask`, concatenated; none pending
+        after."""
+        if not self.pending:
+            return features, position_ids, attention_mask
+        parts = [*self.pending, (features, position_ids, attention_mask)]
+        self.pending = []
+        masks = [torch.ones(part.shape[:2], dtype=torch.bool, device=part.device) if mask is None else mask.bool()
+                 for part, _, mask in parts]  # fmt: skip
+        mask = None if all(part_mask is None for _, _, part_mask in parts) else torch.cat(masks, dim=1)
+        return torch.cat([part for part, _, _ in parts], 1), torch.cat([pos for _, pos, _ in parts], 1), mask
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if layer_idx == len(self.keys):
@@ -45,6 +65,8 @@ class DominoContextCache:
         """A negative `max_length` drops that many slots from the end, as transformers' cache `crop` does, and 0 drops
         none (so `crop(-num_rejected)` is always right); a positive one keeps the first `max_length` slots
         (transformers' older `crop(max_length)`)."""
+        if self.pending:
+            raise ValueError("crop drops projected context: project the pending context first (extend_context).")
         if max_length <= 0:
             max_length = max(self.get_seq_length() + max_length, 0)
         if max_length >= self.get_seq_length():
@@ -60,6 +82,7 @@ class DominoContextCache:
         self.values = [v[rows] for v in self.values]
         if self.attention_mask is not None:
             self.attention_mask = self.attention_mask[rows]
+        self.pending = [(f[rows], p[rows], None if m is None else m[rows]) for f, p, m in self.pending]
 
 
 __all__ = ["DominoContextCache"]

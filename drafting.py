@@ -122,26 +122,49 @@ def expected_rates(reach: torch.Tensor, costs: DraftCosts) -> list[float]:
     the probability that each row accepts its i-th verified token (in a chain, the product of the confidences up to
     it; in a tree, its path's), every row verifying the same number, and the round's costs (the verify cost taken
     non-decreasing in k, so one noisy measurement cannot make a longer pass look cheaper)."""
+    expected, seconds = _expected_tokens_and_seconds(reach, costs)
+    return (expected / seconds).tolist()
+
+
+def _expected_tokens_and_seconds(reach: torch.Tensor, costs: DraftCosts) -> tuple[torch.Tensor, torch.Tensor]:
     num_drafts = min(reach.shape[1], len(costs.verify_seconds) - 1)
     accepted = reach[:, :num_drafts].double().nan_to_num(0.0).sum(dim=0)  # [S]; NaN: a slot with no finite logit
     expected = reach.shape[0] + torch.cat([accepted.new_zeros(1), accepted.cumsum(0)])  # [S + 1]: for k = 0..S
     seconds = costs.draft_seconds + torch.tensor(costs.verify_seconds[: num_drafts + 1]).cummax(0).values
-    return (expected / seconds).tolist()
+    return expected, seconds
 
 
 def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts, look_ahead: bool = False) -> int:
-    """How many of the drafts to verify, by their `expected_rates`.
+    """How many of the drafts to verify, by `expected_rates`: the most expected tokens per second, or, where no
+    length beats a plain decode step (the drafting round is already paid), the length that loses least against
+    plain steps in the same time (the most expected tokens beyond what plain steps would commit meanwhile).
 
-    Stops at the first draft that lowers the round's expected tokens per second: a stopping rule, which exact
-    sampling needs (a draft's confidence depends on the drafts before it). With `look_ahead`, for greedy decoding and
-    for tokens not drawn from the draft, the length with the most expected tokens per second over all lengths
-    (a CPU's verify cost can jump at two drafts and stay flat after, where only a longer block pays).
+    Adds drafts while each raises that measure: a stopping rule, which exact sampling needs (a draft's confidence
+    depends on the drafts before it). With `look_ahead`, for greedy decoding and for tokens not drawn from the
+    draft, the best length over all lengths (a CPU's verify cost can jump at two drafts and stay flat after, where
+    only a longer block pays).
     """
-    rates = expected_rates(confidence.double().nan_to_num(0.0).cumprod(dim=1), costs)
+    reach = confidence.double().nan_to_num(0.0).cumprod(dim=1)
+    expected, seconds = _expected_tokens_and_seconds(reach, costs)
+    plain_rate = reach.shape[0] / costs.verify_seconds[0]  # tokens per second of plain steps, every row
     if look_ahead:
-        return _fastest(rates)
-    falls = [k for k in range(len(rates) - 1) if rates[k + 1] < rates[k]]
-    return falls[0] if falls else len(rates) - 1
+        return _best_length(reach, costs)
+    num_drafts = 0
+    while num_drafts + 1 < len(expected):
+        rate = max(plain_rate, float(expected[num_drafts] / seconds[num_drafts]))
+        gained = expected[num_drafts + 1] - expected[num_drafts]
+        if gained <= rate * (seconds[num_drafts + 1] - seconds[num_drafts]):
+            break
+        num_drafts += 1
+    return num_drafts
+
+
+def _best_length(reach: torch.Tensor, costs: DraftCosts) -> int:
+    """The k with the most expected tokens per second, or the fewest lost against plain steps where none beats them
+    (`choose_draft_length` looking ahead)."""
+    expected, seconds = _expected_tokens_and_seconds(reach, costs)
+    rate = max(reach.shape[0] / costs.verify_seconds[0], float((expected / seconds).max()))
+    return _fastest((expected - rate * seconds).tolist())
 
 
 def _fastest(rates: list[float]) -> int:
@@ -174,20 +197,29 @@ def certain_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 PRIOR_VERIFY_STEPS_PER_DRAFT = 0.1
 PRIOR_DRAFT_STEPS = 0.25
 NEW_TIMING_WEIGHT = 0.3  # each timing's weight in the running estimate: recent rounds count most (machine load moves)
+MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate: a stall is not the machine's speed
+# (a pessimistic estimate is never corrected, since the count it makes look dear is not verified again)
+MAX_TIMING_COUNT = 8  # how much a draft count's estimate weighs against its neighbours' when they disagree
 
 
 class CostModel:
     """What a round costs at one batch size, learned from a process's own verify passes and drafting rounds, so no
-    call pays an up-front measurement: a running average of the timings of each draft count, and where a count was
-    never timed the prior shape (`PRIOR_VERIFY_STEPS_PER_DRAFT`) scaled to the nearest timed count. Every decision
-    weighs ratios of costs, so before any timing the prior alone decides."""
+    call pays an up-front measurement: a running average of the timings of each draft count, fitted non-decreasing
+    in the count (a count timed once after a stall is pooled with the often-timed counts around it), and where a
+    count was never timed the prior shape (`PRIOR_VERIFY_STEPS_PER_DRAFT`) scaled to the nearest timed count. Every
+    decision weighs ratios of costs, so before any timing the prior alone decides."""
 
     def __init__(self, num_drafts: int):
         self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
+        self.verify_counts = [0] * (num_drafts + 1)
         self.draft_seconds: float | None = None
 
     def observe_verify(self, num_drafts: int, seconds: float) -> None:
-        self.verify_seconds[num_drafts] = _average(self.verify_seconds[num_drafts], seconds)
+        previous = self.verify_seconds[num_drafts]
+        if previous is None and self.knows_plain_step:  # a first timing, weighed against what the others predict
+            seconds = min(seconds, MAX_TIMING_JUMP * self.costs().verify_seconds[num_drafts])
+        self.verify_seconds[num_drafts] = _average(previous, seconds)
+        self.verify_counts[num_drafts] = min(self.verify_counts[num_drafts] + 1, MAX_TIMING_COUNT)
 
     def observe_draft(self, seconds: float) -> None:
         self.draft_seconds = _average(self.draft_seconds, seconds)
@@ -199,15 +231,28 @@ class CostModel:
 
     def costs(self) -> DraftCosts:
         timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
+        fitted = dict(zip(timed, nondecreasing_fit([self.verify_seconds[k] for k in timed],
+                                                   [self.verify_counts[k] for k in timed])))  # fmt: skip
         verify = []
-        for k, seconds in enumerate(self.verify_seconds):
-            if seconds is None:
+        for k in range(len(self.verify_seconds)):
+            if k not in fitted:
                 nearest = min(timed, key=lambda j: (abs(j - k), j), default=None)
-                scale = 1.0 if nearest is None else self.verify_seconds[nearest] / _prior_steps(nearest)
-                seconds = scale * _prior_steps(k)
-            verify.append(seconds)
+                scale = 1.0 if nearest is None else fitted[nearest] / _prior_steps(nearest)
+            verify.append(fitted[k] if k in fitted else scale * _prior_steps(k))
         draft = self.draft_seconds if self.draft_seconds is not None else PRIOR_DRAFT_STEPS * verify[0]
         return DraftCosts(tuple(verify), draft)
+
+
+def nondecreasing_fit(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_a, weight_a, length_a), (mean_b, weight_b, length_b) = blocks.pop(-2), blocks.pop()
+            total = weight_a + weight_b
+            blocks.append([(mean_a * weight_a + mean_b * weight_b) / total, total, length_a + length_b])
+    return [mean for mean, _, length in blocks for _ in range(length)]
 
 
 def _prior_steps(num_drafts: int) -> float:
@@ -215,7 +260,9 @@ def _prior_steps(num_drafts: int) -> float:
 
 
 def _average(previous: float | None, seconds: float) -> float:
-    return seconds if previous is None else (1 - NEW_TIMING_WEIGHT) * previous + NEW_TIMING_WEIGHT * seconds
+    if previous is None:
+        return seconds
+    return (1 - NEW_TIMING_WEIGHT) * previous + NEW_TIMING_WEIGHT * min(seconds, MAX_TIMING_JUMP * previous)
 
 
 class FixedCosts(CostModel):
@@ -237,9 +284,10 @@ class FixedCosts(CostModel):
 
 
 class CostAwareDrafting:
-    """The cost-aware draft length of one decoding run: before a round, whether to draft it, verify the tokens that
-    followed a repeat of the context instead, or decode plainly (`plan`); after drafting, how many of the drafts to
-    verify (`length`); after verifying, how far the tokens were accepted and what the pass took (`accepted`).
+    """The cost-aware draft length of a process's runs with one draft: before a round, whether to draft it, verify
+    the tokens that followed a repeat of the context instead, or decode plainly (`plan`); after drafting, how many of
+    the drafts to verify (`length`); after verifying, how far the tokens were accepted and what the pass took
+    (`accepted`). A call goes on from the rounds of the calls before it.
 
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
     with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
@@ -247,7 +295,7 @@ class CostAwareDrafting:
     draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
     run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far its
     tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
-    Costs come from `cost_models(batch_size)`, which learn from the timings the run reports. Every decision depends
+    Costs come from `cost_models(batch_size)`, which learn from the timings the runs report. Every decision depends
     on earlier rounds, the committed tokens and the distributions of the drafts up to the one decided, so sampling
     stays exact.
     """
@@ -293,6 +341,8 @@ class CostAwareDrafting:
         if not cost_model.knows_plain_step:
             return sequences[0].new_zeros(len(sequences), 0)
         costs = cost_model.costs()
+        if self.expected is not None:  # at this batch size's costs, which the last round may have changed
+            self.pays = self._drafting_pays(costs)
         looked_up = self._look_up(sequences, limit, costs)
         if looked_up is None and (self.pays or self.skipped >= self.wait):
             return None
@@ -327,9 +377,9 @@ class CostAwareDrafting:
     def tree_size(self, path_probs: torch.Tensor) -> int:
         """After growing a tree: how many of its nodes to verify, given each row's nodes in the order they were
         added (so every prefix is a tree) and `path_probs` `[B, N]`, the probability the draft gives the path to
-        each. The prefix with the most expected tokens per second (greedy decoding may look ahead)."""
+        each. The prefix `choose_draft_length` would pick looking ahead."""
         reach = self._predicted(path_probs, tree=True)
-        return _fastest(expected_rates(reach, self._remember(reach)))
+        return _best_length(reach, self._remember(reach))
 
     def _predicted(self, probs: torch.Tensor, tree: bool) -> torch.Tensor:
         """The round's predicted probabilities, kept until verified, and calibrated."""
@@ -342,9 +392,13 @@ class CostAwareDrafting:
         costs = self.cost_models(reach.shape[0]).costs()
         recent = reach.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
-        self.pays = max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
+        self.pays = self._drafting_pays(costs)
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self.MAX_SKIPPED)
         return costs
+
+    def _drafting_pays(self, costs: DraftCosts) -> bool:
+        """Whether a round with the recent rounds' reach commits tokens faster than a plain step."""
+        return max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
 
     def accepted(self, num_verified: int, num_accepted: list[int], seconds: float | None = None) -> None:
         """After verifying: how many of the `num_verified` tokens each row accepted, and, if timed, the seconds the
@@ -375,23 +429,39 @@ class CostAwareDrafting:
         return best if looked_up[best] > best_other else 0
 
 
+class _Learned:
+    """What the runs of one target and draft under one set of round options learned in this process: the cost
+    models per batch size, and the cost-aware draft lengths per prompt-lookup size and sampling (their recent
+    acceptance, calibration and skipping), so each call goes on from the last instead of learning again."""
+
+    def __init__(self, num_drafts: int):
+        self.num_drafts = num_drafts
+        self.cost_models: dict[int, CostModel] = {}
+        self.drafting: dict[tuple[int, bool], CostAwareDrafting] = {}
+
+    def cost_model(self, batch_size: int) -> CostModel:
+        if batch_size not in self.cost_models:
+            self.cost_models[batch_size] = CostModel(self.num_drafts)
+        return self.cost_models[batch_size]
+
+
 _learned: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def _learned_with(target, draft, options: DraftingOptions) -> _Learned:
+    round_options = replace(options, draft_length="auto", draft_costs=None, prompt_lookup=0)  # what a round runs
+    per_draft = _learned.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
+    key = (round_options, str(target.device), target.dtype)
+    if key not in per_draft:
+        per_draft[key] = _Learned(max(draft.config.num_draft_tokens, options.tree_nodes))
+    return per_draft[key]
 
 
 def learned_costs(target, draft, options: DraftingOptions | None = None) -> Callable[[int], CostModel]:
     """The cost models of rounds with `target` and `draft` under `options`, per batch size, learned by every run in
     this process: a later call starts from what earlier ones timed. Options that only choose what to verify (the
     draft length, its costs, prompt lookup) share them."""
-    options = options or draft.drafting_options
-    round_options = replace(options, draft_length="auto", draft_costs=None, prompt_lookup=0)  # what a round runs
-    per_draft = _learned.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
-    models = per_draft.setdefault((round_options, str(target.device), target.dtype), {})
-    num_drafts = max(draft.config.num_draft_tokens, options.tree_nodes)
-
-    def cost_model(batch_size: int) -> CostModel:
-        return models.setdefault(batch_size, CostModel(num_drafts))
-
-    return cost_model
+    return _learned_with(target, draft, options or draft.drafting_options).cost_model
 
 
 def forget_draft_costs(model: torch.nn.Module) -> None:
@@ -403,12 +473,20 @@ def forget_draft_costs(model: torch.nn.Module) -> None:
 
 
 def cost_aware_drafting(target, draft, options: DraftingOptions, do_sample: bool = False) -> CostAwareDrafting | None:
-    """The cost-aware draft length of a run (sampling or not), with the given costs or those this process learns;
-    None where `options` verify every draft."""
+    """The cost-aware draft length of a run (sampling or not): with the given costs a new one, else the one this
+    process's earlier runs with `target` and `draft` left (`learned_costs`); None where `options` verify every
+    draft."""
     if not options.cost_aware(target.device):
         return None
-    costs = options.draft_costs or learned_costs(target, draft, options)
-    return CostAwareDrafting(costs, options.prompt_lookup, do_sample)
+    if options.draft_costs is not None:
+        return CostAwareDrafting(options.draft_costs, options.prompt_lookup, do_sample)
+    learned = _learned_with(target, draft, options)
+    key = (options.prompt_lookup, do_sample)
+    if key not in learned.drafting:
+        learned.drafting[key] = CostAwareDrafting(learned.cost_model, options.prompt_lookup, do_sample)
+    drafting = learned.drafting[key]
+    drafting.predictions, drafting.looked_up = None, []  # a call that stopped mid-round left them
+    return drafting
 
 
 class DeviceClock:
@@ -465,14 +543,15 @@ def draft_round(
 ) -> DraftRound:
     """One round's drafts, for the native engine and `generate(assistant_model=draft)` alike: plan the round (draft,
     verify looked-up tokens, or a plain step: `CostAwareDrafting.plan`), read the new `context` (target features
-    `[B, T_new, F]`, their positions and mask) into the draft's cache, draft at most `limit` tokens after each row's
+    `[B, T_new, F]`, their positions and mask) into the draft's cache (held there unprojected in a round that does
+    not draft), draft at most `limit` tokens after each row's
     anchor, and keep as many as pay (`CostAwareDrafting.length`). `sequences()` gives each row's committed tokens,
     for prompt lookup. The drafting arguments are `DominoDraftModel.draft_block`'s. With `grow_tree(block, limit)`
     (greedy decoding only) the round drafts a tree from the backbone's block instead of a chain, and keeps the
     prefix of its nodes that pays (`CostAwareDrafting.tree_size`)."""
     planned = drafting.plan(sequences(), limit) if drafting is not None and limit > 0 else None
-    if limit == 0 or planned is not None:  # no drafting this round: the draft only reads the context
-        draft.extend_context(past_key_values, *context)
+    if limit == 0 or planned is not None:  # no drafting this round: its context waits for the next that drafts
+        past_key_values.defer(*context)
         if planned is None or planned.shape[1] == 0:
             return DraftRound(anchor_ids.new_zeros(anchor_ids.shape[0], 0), None)
         vocab_size = lm_head.weight.shape[0]

@@ -514,7 +514,8 @@ class DominoDraftModel(PreTrainedModel):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> None:
-        """Append the keys and values of new target features `[B, T_new, n_layers * D]` to the draft's cache.
+        """Append the keys and values of new target features `[B, T_new, n_layers * D]` to the draft's cache, after
+        the context it holds pending (`DominoContextCache.defer`).
 
         Only the new positions are computed; `attention_mask` (`[B, T_new]`) marks slots that hold no committed
         token (padding, rejected drafts) with 0.
@@ -526,6 +527,9 @@ class DominoDraftModel(PreTrainedModel):
             )
         if position_ids is None:
             raise ValueError("target_hidden needs the positions of its tokens: pass context_position_ids ([B, T]).")
+        target_hidden, position_ids, attention_mask = past_key_values.take_pending(
+            target_hidden, position_ids, attention_mask
+        )
         previous_length = past_key_values.get_seq_length()
         for layer_idx, (keys, values) in enumerate(self.project_context(target_hidden, position_ids)):
             past_key_values.append(layer_idx, keys, values)

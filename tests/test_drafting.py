@@ -11,9 +11,12 @@ from domino_spec.drafting import (
     CostModel,
     DraftSampling,
     choose_draft_length,
+    cost_aware_drafting,
     learned_costs,
+    nondecreasing_fit,
     prompt_lookup,
 )
+from domino_spec.cache_domino import DominoContextCache
 from domino_spec.generation import left_pad, speculative_generate
 
 # A CPU-like round: verifying costs more with every draft, a drafting round a fifth of a decode step.
@@ -28,6 +31,16 @@ def test_drafts_are_added_while_they_raise_the_expected_tokens_per_second():
     assert choose_draft_length(torch.tensor([[0.05, 0.9, 0.9, 0.9]]), STEEP) == 0  # 1.05 / 1.3 < 1 / 1.2
     flat = DraftCosts(verify_seconds=(1.0,) * 7, draft_seconds=0.2)
     assert choose_draft_length(torch.tensor([[0.01, 0.01]]), flat) == 2  # a free draft always pays
+
+
+def test_a_round_that_cannot_beat_plain_steps_verifies_only_what_beats_them_at_the_margin():
+    """Once drafted, the drafting round is paid: a length is worth its extra verify time only where it commits more
+    tokens than plain steps would in that time, even when the longer round has the higher rate overall."""
+    dear = DraftCosts(verify_seconds=(1.0, 2.0, 3.0), draft_seconds=0.7)  # a wide batch: each draft a whole step
+    sure = torch.tensor([[0.9, 0.9]])  # rates 1 / 1.7, 1.9 / 2.7, 2.71 / 3.7: rising, and all below a plain step's
+    assert choose_draft_length(sure, dear) == 0 and choose_draft_length(sure, dear, look_ahead=True) == 0
+    cheap = DraftCosts(verify_seconds=(1.0, 1.2, 1.4), draft_seconds=0.7)  # 0.9 more tokens for 0.2 s: pays
+    assert choose_draft_length(sure, cheap) == 2 and choose_draft_length(sure, cheap, look_ahead=True) == 2
 
 
 def test_every_row_of_a_batch_counts():
@@ -85,6 +98,69 @@ def test_the_cost_model_learns_each_timed_count_and_scales_the_prior_to_the_othe
     model.observe_draft(0.004)
     model.observe_draft(0.002)  # a running average: recent rounds weigh most
     assert model.costs().draft_seconds == pytest.approx(0.7 * 0.004 + 0.3 * 0.002)
+
+
+def test_the_verify_curve_is_fitted_non_decreasing_by_how_often_each_count_was_timed():
+    assert nondecreasing_fit([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert nondecreasing_fit([1.0, 9.0, 2.0], [8, 1, 8]) == pytest.approx([1.0, 25 / 9, 25 / 9])
+    assert nondecreasing_fit([3.0, 2.0, 1.0], [1, 1, 1]) == pytest.approx([2.0, 2.0, 2.0])
+    model = CostModel(num_drafts=4)
+    for _ in range(8):
+        model.observe_verify(0, 0.050)
+        for count in (2, 3, 4):
+            model.observe_verify(count, 0.055)
+    model.observe_verify(1, 0.500)  # one pass over 1 draft after a stall, never timed again
+    costs = model.costs().verify_seconds
+    first = 2 * 0.050 * 1.1  # a first timing counts as at most twice the prior shape scaled to the nearest count
+    assert costs[0] == pytest.approx(0.050) and costs[1:] == pytest.approx(((first + 24 * 0.055) / 25,) * 4)
+    assert costs[1] < 0.06  # and is pooled with the often-timed counts: longer passes still pay
+    model.observe_verify(0, 1.0)  # a stall in a well-timed count moves it by at most a doubling
+    assert model.verify_seconds[0] == pytest.approx(0.7 * 0.05 + 0.3 * 0.1)
+
+
+def test_a_call_goes_on_from_the_acceptance_the_calls_before_it_learned():
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    options = DraftingOptions(draft_length="cost")
+    greedy = cost_aware_drafting(target, draft, options)
+    greedy.hits = 7.0
+    assert cost_aware_drafting(target, draft, options) is greedy and greedy.hits == 7.0
+    assert cost_aware_drafting(target, draft, options, do_sample=True) is not greedy  # sampling accepts otherwise
+    assert cost_aware_drafting(target, draft, DraftingOptions(draft_length="cost", prompt_lookup=0)) is not greedy
+    assert greedy.cost_models(1) is learned_costs(target, draft, options)(1)
+    fixed = DraftingOptions(draft_length="cost", draft_costs=STEEP)
+    assert cost_aware_drafting(target, draft, fixed) is not cost_aware_drafting(target, draft, fixed)
+    # a batch size whose costs make the recent rounds' drafting too dear skips it from its first drafted round on
+    greedy.expected = torch.full((6,), 0.5, dtype=torch.float64)
+    greedy.cost_models(4).observe_verify(0, 0.01)
+    greedy.cost_models(4).observe_draft(0.05)
+    committed = [torch.tensor([1, 2, 3])] * 4
+    assert greedy.plan(committed, limit=6).shape == (4, 0) and not greedy.pays
+
+
+def test_context_held_back_by_rounds_that_do_not_draft_projects_as_if_read_at_once():
+    target = tiny_target("qwen3", dtype=torch.float64)
+    draft = tiny_draft(target).to(torch.float64)
+    features = torch.randn(3, 7, draft.fc.in_features, dtype=torch.float64)
+    positions = torch.arange(7).repeat(3, 1)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, :2] = 0  # a left-padded row
+    at_once, deferred = DominoContextCache(), DominoContextCache()
+    draft.extend_context(at_once, features, positions, mask)
+    deferred.defer(features[:, :2], positions[:, :2], mask[:, :2])
+    deferred.defer(features[:, 2:3], positions[:, 2:3], None)
+    assert deferred.get_seq_length() == 3 and not deferred.keys
+    rows = torch.tensor([0, 2])
+    at_once.select_rows(rows)
+    deferred.select_rows(rows)
+    draft.extend_context(deferred, features[rows, 3:], positions[rows, 3:], mask[rows, 3:])
+    assert not deferred.pending and deferred.get_seq_length() == 7
+    assert torch.equal(deferred.attention_mask, at_once.attention_mask)
+    for got, expected in zip(deferred.keys + deferred.values, at_once.keys + at_once.values):
+        torch.testing.assert_close(got, expected)
+    deferred.defer(features[rows, :1], positions[rows, :1], None)
+    with pytest.raises(ValueError, match="project the pending context first"):
+        deferred.crop(-1)
 
 
 def test_a_first_call_measures_nothing_up_front_and_a_later_one_starts_from_what_it_learned():
