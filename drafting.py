@@ -18,6 +18,7 @@ Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code
 transformers.
 """
 
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -105,16 +106,34 @@ class DraftSampling:
             kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(-1)
-            outside = probs.cumsum(-1) - probs >= self.top_p  # the likelier tokens already hold top_p
-            logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+            logits = nucleus(logits, self.top_p)
         return logits
 
     def draw(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices `[M]` drawn from softmax of the warped `logits` `[M, V]`, and those warped logits."""
         warped = self.warp(logits.float())
         return torch.multinomial(warped.softmax(-1), 1, generator=generator).squeeze(-1), warped
+
+
+NUCLEUS_CANDIDATES = 256  # the likeliest tokens `nucleus` sorts, where they hold the nucleus (a whole vocabulary else)
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`logits` `[M, V]` with -inf outside each row's nucleus: the likeliest tokens until they hold `top_p` of the
+    probability (the likeliest always kept), as transformers' `TopPLogitsWarper`, but sorting only the likeliest
+    `NUCLEUS_CANDIDATES` where they hold it: a verify pass's rows cost a partial sort each, not a whole one (the
+    kept tokens may differ from transformers' by float rounding at the boundary, where the whole sort is not run)."""
+    num_candidates = min(NUCLEUS_CANDIDATES, logits.shape[-1])
+    top, order = logits.topk(num_candidates, dim=-1)  # [M, K], likeliest first
+    probs = (top - logits.logsumexp(-1, keepdim=True)).exp()
+    likelier = probs.cumsum(-1) - probs  # [M, K]: the probability of the tokens before each
+    if num_candidates == logits.shape[-1] or bool((likelier[:, -1] + probs[:, -1] < top_p).any()):
+        ascending, order = logits.sort(dim=-1)  # transformers' own computation, where the nucleus is that wide
+        outside = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        outside[:, -1] = False
+        return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    kept = top.masked_fill(likelier >= top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
 
 
 def expected_rates(reach: torch.Tensor, costs: DraftCosts) -> list[float]:
@@ -291,7 +310,9 @@ class CostAwareDrafting:
 
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
     with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
-    second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. A
+    second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or
+    more where a drafting round costs so much of a step that looking would take over `EXPLORATION_SHARE` of the
+    time (a wide batch). A
     draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
     run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far its
     tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
@@ -301,6 +322,7 @@ class CostAwareDrafting:
     """
 
     MAX_SKIPPED = 16
+    EXPLORATION_SHARE = 0.02
 
     def __init__(self, costs: DraftCosts | Callable[[int], CostModel], prompt_lookup: int = 0,
                  do_sample: bool = False):  # fmt: skip
@@ -393,7 +415,8 @@ class CostAwareDrafting:
         recent = reach.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
         self.pays = self._drafting_pays(costs)
-        self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self.MAX_SKIPPED)
+        longest = max(self.MAX_SKIPPED, math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0])))
+        self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, longest)
         return costs
 
     def _drafting_pays(self, costs: DraftCosts) -> bool:
@@ -593,5 +616,5 @@ def draft_round(
 __all__ = ["DRAFT_LENGTHS", "CostAwareDrafting", "CostModel", "DeviceClock",
            "DraftCosts", "DraftRound", "DraftTree", "DraftSampling", "DraftingOptions", "certain_logits",
            "choose_draft_length",
-           "cost_aware_drafting", "draft_round", "expected_rates", "forget_draft_costs", "learned_costs",
+           "cost_aware_drafting", "nucleus", "draft_round", "expected_rates", "forget_draft_costs", "learned_costs",
            "prompt_lookup"]  # fmt: skip

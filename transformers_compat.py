@@ -7,6 +7,8 @@
   "drop that many".
 - The sliding-window layers of newer releases keep a window only; `activate_past_recording` (where it exists) lets
   a verify pass's rejected tokens be cropped back.
+- Releases that take `output_hidden_states` as a list of indices (`output_capturing.selected_hidden_states`) keep
+  only the tapped layers' hidden states; the others keep every layer's (`tapped_hidden_states`).
 - 5.17 judges a prompt's own stop (EOS or a stop string) as the candidates' stop in assisted decoding, and its
   `CandidateGenerator.update_candidate_strategy` raises unless overridden; `generation_domino.py` works on all.
 
@@ -17,6 +19,7 @@ transformers.
 import inspect
 
 from transformers.cache_utils import DynamicCache, StaticLayer
+from transformers.utils import output_capturing
 
 CACHE_KEYWORDS = ("cache", "past_key_values")  # the forward's cache argument, newest name first
 
@@ -55,4 +58,14 @@ def new_dynamic_cache(config) -> DynamicCache:
     return cache
 
 
-__all__ = ["cache_keyword", "croppable_cache", "new_dynamic_cache", "passed_cache", "takes_argument"]
+def tapped_hidden_states(layer_ids: list[int]) -> bool | list[int]:
+    """The `output_hidden_states` that returns the outputs of layers `layer_ids` as `hidden_states[i + 1]`: those
+    alone (the others `None`) where the release selects by index, else every layer's. Keeping 31 layers' states of
+    a batched prefill alive costs a CPU as much as a tenth of the prefill."""
+    if hasattr(output_capturing, "selected_hidden_states"):
+        return [i + 1 for i in layer_ids]
+    return True
+
+
+__all__ = ["cache_keyword", "croppable_cache", "new_dynamic_cache", "passed_cache", "takes_argument",
+           "tapped_hidden_states"]

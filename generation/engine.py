@@ -30,7 +30,7 @@ from ..drafting import (
     cost_aware_drafting,
     draft_round,
 )
-from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument
+from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument, tapped_hidden_states
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 from .trees import accept_tree, grow_tree, left_the_first_branch, tree_attention_mask, tree_depths
 
@@ -166,11 +166,12 @@ class _Setup:
     options: DraftingOptions | None
     cache_name: str  # the target forward's cache keyword
     takes_logits_to_keep: bool
+    hidden_states: bool | list[int]  # the forward's `output_hidden_states`: the draft's tapped layers, or none
     grow_tree: Callable[..., DraftTree] | None = None  # a round's tree (`trees.grow_tree`), None: chains
 
     def forward(self, cache, **inputs):
         """The target's forward with its cache, returning tapped hidden states when there is a draft."""
-        return self.target(use_cache=True, output_hidden_states=self.draft is not None, **{self.cache_name: cache},
+        return self.target(use_cache=True, output_hidden_states=self.hidden_states, **{self.cache_name: cache},
                            **inputs)
 
 
@@ -359,6 +360,7 @@ def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, t
         options=options,
         cache_name=cache_keyword(target),
         takes_logits_to_keep=takes_argument(target, "logits_to_keep"),
+        hidden_states=tapped_hidden_states(draft.config.target_layer_ids) if draft is not None else False,
     )
     return setup, pad_token_id
 

@@ -4,7 +4,21 @@ Tensors in, tensors out; no model, no cache. Shapes: B batch, S drafts per block
 """
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+from ..drafting import nucleus
+
+
+class NucleusWarper(LogitsProcessor):
+    """transformers' `TopPLogitsWarper` (`drafting.nucleus`), sorting only the likeliest tokens where it can."""
+
+    def __init__(self, top_p: float):
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p!r} is invalid: expected a float in (0, 1].")
+        self.top_p = top_p
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        return nucleus(scores, self.top_p)
 
 
 def build_logits_warpers(
@@ -25,7 +39,7 @@ def build_logits_warpers(
     if top_k is not None and top_k != 0:
         warpers.append(TopKLogitsWarper(top_k))
     if top_p is not None and top_p != 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
+        warpers.append(NucleusWarper(top_p))
     return warpers
 
 

@@ -252,6 +252,19 @@ def test_rounds_skip_drafting_while_recent_ones_do_not_pay_and_look_again_ever_l
     assert all(drafting.plan(committed, limit=4) is None for _ in range(3))
 
 
+def test_a_wide_batch_whose_drafting_costs_most_of_a_step_looks_again_less_often():
+    wide = DraftCosts(verify_seconds=(1.0, 2.0, 3.0, 4.0, 5.0), draft_seconds=0.6)
+    drafting = CostAwareDrafting(wide)
+    committed = [torch.tensor([1, 2, 3])] * 12
+    drafted_rounds = []
+    for round_index in range(120):
+        if drafting.plan(committed, limit=4) is None:
+            drafted_rounds.append(round_index)
+            assert drafting.length(torch.full((12, 4), 0.3), limit=4) == 0
+    assert drafting.wait == 30  # looking costs 0.6 of a step: at most 2% of the time, 1 round in 30
+    assert [b - a for a, b in zip(drafted_rounds, drafted_rounds[1:])][-2:] == [31, 31]
+
+
 def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
     """After skipped rounds the draft catches up on the context it did not read: its blocks are a fresh draft's."""
     target = tiny_target("qwen3", dtype=torch.float64)

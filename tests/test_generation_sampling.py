@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from domino_spec.drafting import nucleus
 from domino_spec.generation.sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample
 
 
@@ -79,6 +80,18 @@ def test_rejection_sample_identical_distributions_accept_everything():
     draft_tokens = torch.multinomial(p[:, :3].reshape(-1, 10), 1, generator=generator).view(8, 3)
     num_accepted, _ = rejection_sample(draft_tokens, p[:, :3], p, generator)
     assert num_accepted.tolist() == [3] * 8
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999])
+def test_the_nucleus_sorts_only_the_likeliest_tokens_yet_keeps_what_transformers_keeps(top_p):
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.randn(3, 5000, generator=generator) * 6  # a nucleus of a few tokens
+    flat = torch.randn(3, 5000, generator=generator) * 0.1  # a nucleus of thousands: past the sorted candidates
+    cut = TopKLogitsWarper(40)(None, torch.randn(2, 5000, generator=generator))  # -inf outside 40 tokens
+    logits = torch.cat([peaked, flat, cut])
+    expected = TopPLogitsWarper(top_p)(None, logits)
+    assert torch.equal(nucleus(logits, top_p).isinf(), expected.isinf())
+    assert torch.equal(process_logits(build_logits_warpers(True, top_p=top_p), logits), expected)
 
 
 def test_build_logits_warpers_match_transformers():

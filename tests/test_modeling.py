@@ -31,6 +31,7 @@ from domino_spec.assets import record_hub_id
 from domino_spec.configuration_domino import default_target_layer_ids
 from domino_spec.draft_building import from_target
 from domino_spec.published_format import load_draft
+from domino_spec.transformers_compat import tapped_hidden_states
 
 SEQUENCE_LENGTH = 24
 ANCHOR = 15  # a block anchor with context on both sides, and room for the whole block before the end
@@ -129,6 +130,14 @@ def test_context_in_rounds_equals_context_at_once(family, dtype):
     rounds = setup.draft_block(setup.cache([(0, 5), (5, 6), (6, 11), (11, ANCHOR)]))
     assert torch.equal(rounds.tokens, at_once.tokens)
     torch.testing.assert_close(rounds.logits, at_once.logits, **tolerances(dtype))
+
+
+def test_the_tapped_layers_alone_give_the_features_every_layer_gives(family, dtype):
+    setup = make_setup(family, dtype)
+    layer_ids = setup.draft.config.target_layer_ids
+    with torch.no_grad():
+        outputs = setup.target(setup.input_ids, output_hidden_states=tapped_hidden_states(layer_ids))
+    assert torch.equal(setup.draft.fuse_target_hidden_states(outputs.hidden_states), setup.target_hidden)
 
 
 def test_draft_block_equals_teacher_forced_forward(family, dtype):
