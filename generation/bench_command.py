@@ -78,7 +78,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--cold", action="store_true",
         help="also time each method's first call in a fresh process (one per method, setting and eval set, on its "
-        "first batch): model loading excluded, optimize_for_cpu and the first call's set-up included",
+        "first batch): model loading excluded, optimize_for_cpu (with the kernel plans the warm run cached on disk) and "
+        "the first call's set-up included",
     )  # fmt: skip
     parser.add_argument(
         "--background-load", action="store_true",

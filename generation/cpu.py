@@ -11,9 +11,16 @@ rounding (the same products, summed in another order).
 
 Memory: each weight keeps its original tensor (state dicts and `save_pretrained` are unchanged) plus the layouts
 that won some row count: at most two extra copies of the linear weights, usually one.
+
+The plans are kept on disk (`plan_cache_path`), keyed by the CPU, torch's version, the thread count and the weight
+shape: a process's first call pays the timing only where no earlier process on this machine timed that shape.
 """
 
 import contextlib
+import json
+import os
+import platform
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -165,15 +172,57 @@ def plan_shape(modules: list[nn.Linear]) -> dict[int, str]:
     return plan
 
 
-def optimize_for_cpu(target: nn.Module, *drafts: nn.Module, verbose: bool = False) -> CPUOptimization:
+def plan_cache_path() -> str:
+    """Where `optimize_for_cpu` keeps the plans it timed: `$DOMINO_CPU_PLANS`, else
+    `$XDG_CACHE_HOME/domino_spec/cpu_plans.json` (`~/.cache` by default)."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("DOMINO_CPU_PLANS") or os.path.join(cache_home, "domino_spec", "cpu_plans.json")
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as file:
+        for line in file:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _plan_key(shape: tuple) -> str:
+    """What a plan depends on: the CPU, torch, the thread count and the weight's shape, dtype and bias."""
+    out_features, in_features, dtype, bias = shape
+    return f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | " \
+           f"{out_features}x{in_features} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}"  # fmt: skip
+
+
+def _read_plans(path: str | None) -> dict[str, dict[int, str]]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            stored = json.load(file)
+        return {key: {int(rows): kernel for rows, kernel in plan.items()} for key, plan in stored.items()}
+    except (OSError, TypeError, ValueError, AttributeError):  # none yet, or unreadable: time again
+        return {}
+
+
+def _write_plans(path: str, plans: dict[str, dict[int, str]]) -> None:
+    """Write atomically, so a process reading at the same time sees the old file or the new one."""
+    with contextlib.suppress(OSError):  # a read-only home only costs the next process the timing
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as file:
+            json.dump(plans, file, indent=1, sort_keys=True)
+        os.replace(file.name, path)
+
+
+def optimize_for_cpu(target: nn.Module, *drafts: nn.Module, verbose: bool = False,
+                     plan_cache: str | None = "default") -> CPUOptimization:  # fmt: skip
     """Make every `nn.Linear` of `target` (and of `drafts`) run each row count up to 64 with the fastest of three
     layouts of its weight, timed here once per weight shape; in place, undone by `restore()`.
 
     Multi-token passes (verify passes, draft blocks, batches) get much cheaper on most CPUs, the one-token decode step
     stays as fast, and plain decoding of the prepared target speeds up too, so compare speculative and plain decoding
     of the same prepared target. Inference only: with gradients enabled the eager forward runs, and a weight changed
-    after this call is not seen by the extra layouts (`restore()` first). Costs a few seconds of timing and an extra
-    copy of the linear weights in the winning layouts (`extra_bytes`).
+    after this call is not seen by the extra layouts (`restore()` first). Costs an extra copy of the linear weights
+    in the winning layouts (`extra_bytes`), and the timing (seconds to tens of seconds) of every weight shape that
+    `plan_cache` (a JSON file; "default": `plan_cache_path()`; None: none) holds no plan of for this machine.
 
         with optimize_for_cpu(target, draft):
             out = speculative_generate(target, draft, input_ids)
@@ -189,14 +238,21 @@ def optimize_for_cpu(target: nn.Module, *drafts: nn.Module, verbose: bool = Fals
     by_shape: dict[tuple, list[nn.Linear]] = defaultdict(list)
     for module in _plain_linears(models):
         by_shape[(*module.weight.shape, module.weight.dtype, module.bias is not None)].append(module)
-    plans, planned = {}, {}
+    path = plan_cache_path() if plan_cache == "default" else plan_cache
+    stored = _read_plans(path) if path else {}
+    plans, planned, timed = {}, {}, False
     for shape, modules in by_shape.items():
-        plans[shape] = plan_shape(modules)
+        key = _plan_key(shape)
+        if set(stored.get(key, {})) != set(TUNED_ROW_COUNTS) or not set(stored[key].values()) <= set(KERNELS):
+            stored[key], timed = plan_shape(modules), True
+        plans[shape] = stored[key]
         for module in modules:
             module.forward = planned[module] = PlannedLinear(module, plans[shape])
         if verbose:
             print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
+    if path and timed:
+        _write_plans(path, stored)
     return CPUOptimization(models, planned, plans)
 
 
-__all__ = ["CPUOptimization", "optimize_for_cpu"]
+__all__ = ["CPUOptimization", "optimize_for_cpu", "plan_cache_path"]

@@ -11,6 +11,12 @@ if not torch.cuda.is_available():  # Triton kernels (the fused head step) then r
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported, which transformers' models do
 
 
+@pytest.fixture(autouse=True)
+def _kernel_plans_in_a_temporary_file(tmp_path, monkeypatch):
+    """`optimize_for_cpu` keeps its plans per test, not in the home folder of whoever runs the tests."""
+    monkeypatch.setenv("DOMINO_CPU_PLANS", str(tmp_path / "cpu_plans.json"))
+
+
 def _index_1_element_scalars_in_triton_interpreter() -> None:
     """Triton's interpreter up to 3.6 (the GPU machine's) holds a kernel's int arguments as 1-element arrays and
     converts them with `int(array)`, which NumPy >= 2.4 refuses, so every `range(0, rank, ...)` loop of the fused head

@@ -1,12 +1,15 @@
 """`optimize_for_cpu`: every linear runs each row count with the fastest layout it timed, giving eager's outputs."""
 
+import json
+import os
+
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
 from torch import nn
 
 from domino_spec.generation import optimize_for_cpu, speculative_generate
-from domino_spec.generation.cpu import TUNED_ROW_COUNTS
+from domino_spec.generation.cpu import TUNED_ROW_COUNTS, plan_cache_path
 
 
 @pytest.fixture
@@ -56,3 +59,21 @@ def test_a_model_off_the_cpu_is_refused(target):
                                          "parameters on meta"):
         optimize_for_cpu(target, on_meta)
     assert not _planned(target)  # nothing changed before the refusal
+
+
+def test_plans_timed_once_are_read_back_by_the_next_process_on_this_machine(target, tmp_path):
+    first = optimize_for_cpu(target, plan_cache=str(tmp_path / "plans.json"))
+    first.restore()
+    stored = json.loads((tmp_path / "plans.json").read_text())
+    assert len(stored) == len(first.plans) and all("threads" in key for key in stored)
+    # What a later process reads is what it runs: every row count of every shape on the eager kernel here.
+    for plan in stored.values():
+        plan.update(dict.fromkeys(plan, "linear"))
+    (tmp_path / "plans.json").write_text(json.dumps(stored))
+    second = optimize_for_cpu(target, plan_cache=str(tmp_path / "plans.json"))
+    assert all(set(plan.values()) == {"linear"} for plan in second.plans.values())
+    second.restore()
+    (tmp_path / "plans.json").write_text("not json")  # unreadable: timed again and written anew
+    optimize_for_cpu(target, plan_cache=str(tmp_path / "plans.json")).restore()
+    assert len(json.loads((tmp_path / "plans.json").read_text())) == len(first.plans)
+    assert plan_cache_path() == os.environ["DOMINO_CPU_PLANS"]  # the tests' own file, not the home folder's
