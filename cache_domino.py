@@ -37,9 +37,10 @@ class DominoContextCache:
             return features, position_ids, attention_mask
         parts = [*self.pending, (features, position_ids, attention_mask)]
         self.pending = []
-        masks = [torch.ones(part.shape[:2], dtype=torch.bool, device=part.device) if mask is None else mask.bool()
-                 for part, _, mask in parts]  # fmt: skip
-        mask = None if all(part_mask is None for _, _, part_mask in parts) else torch.cat(masks, dim=1)
+        mask = None
+        if any(part_mask is not None for _, _, part_mask in parts):
+            mask = torch.cat([torch.ones(part.shape[:2], dtype=torch.bool, device=part.device) if part_mask is None
+                              else part_mask.bool() for part, _, part_mask in parts], dim=1)  # fmt: skip
         return torch.cat([part for part, _, _ in parts], 1), torch.cat([pos for _, pos, _ in parts], 1), mask
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -164,10 +164,10 @@ def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts, look_ahead:
     only a longer block pays).
     """
     reach = confidence.double().nan_to_num(0.0).cumprod(dim=1)
-    expected, seconds = _expected_tokens_and_seconds(reach, costs)
-    plain_rate = reach.shape[0] / costs.verify_seconds[0]  # tokens per second of plain steps, every row
     if look_ahead:
         return _best_length(reach, costs)
+    expected, seconds = _expected_tokens_and_seconds(reach, costs)
+    plain_rate = _plain_rate(reach, costs)
     num_drafts = 0
     while num_drafts + 1 < len(expected):
         rate = max(plain_rate, float(expected[num_drafts] / seconds[num_drafts]))
@@ -182,8 +182,12 @@ def _best_length(reach: torch.Tensor, costs: DraftCosts) -> int:
     """The k with the most expected tokens per second, or the fewest lost against plain steps where none beats them
     (`choose_draft_length` looking ahead)."""
     expected, seconds = _expected_tokens_and_seconds(reach, costs)
-    rate = max(reach.shape[0] / costs.verify_seconds[0], float((expected / seconds).max()))
+    rate = max(_plain_rate(reach, costs), float((expected / seconds).max()))
     return _fastest((expected - rate * seconds).tolist())
+
+
+def _plain_rate(reach: torch.Tensor, costs: DraftCosts) -> float:
+    return reach.shape[0] / costs.verify_seconds[0]  # tokens per second of plain steps, every row
 
 
 def _fastest(rates: list[float]) -> int:
@@ -415,7 +419,8 @@ class CostAwareDrafting:
         recent = reach.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
         self.pays = self._drafting_pays(costs)
-        longest = max(self.MAX_SKIPPED, math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0])))
+        looks = math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
+        longest = max(self.MAX_SKIPPED, looks)
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, longest)
         return costs
 

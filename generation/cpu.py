@@ -187,11 +187,10 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _plan_key(shape: tuple) -> str:
-    """What a plan depends on: the CPU, torch, the thread count and the weight's shape, dtype and bias."""
+def _plan_key(machine: str, shape: tuple) -> str:
+    """What a plan depends on: the `machine` (CPU, torch, thread count) and the weight's shape, dtype and bias."""
     out_features, in_features, dtype, bias = shape
-    return f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | " \
-           f"{out_features}x{in_features} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}"  # fmt: skip
+    return f"{machine} | {out_features}x{in_features} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}"
 
 
 def _read_plans(path: str | None) -> dict[str, dict[int, str]]:
@@ -241,8 +240,9 @@ def optimize_for_cpu(target: nn.Module, *drafts: nn.Module, verbose: bool = Fals
     path = plan_cache_path() if plan_cache == "default" else plan_cache
     stored = _read_plans(path) if path else {}
     plans, planned, timed = {}, {}, False
+    machine = f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
     for shape, modules in by_shape.items():
-        key = _plan_key(shape)
+        key = _plan_key(machine, shape)
         if set(stored.get(key, {})) != set(TUNED_ROW_COUNTS) or not set(stored[key].values()) <= set(KERNELS):
             stored[key], timed = plan_shape(modules), True
         plans[shape] = stored[key]
