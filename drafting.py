@@ -167,7 +167,7 @@ def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts, look_ahead:
     if look_ahead:
         return _best_length(reach, costs)
     expected, seconds = _expected_tokens_and_seconds(reach, costs)
-    plain_rate = _plain_rate(reach, costs)
+    plain_rate = reach.shape[0] / costs.verify_seconds[0]  # tokens per second of plain steps, every row
     num_drafts = 0
     while num_drafts + 1 < len(expected):
         rate = max(plain_rate, float(expected[num_drafts] / seconds[num_drafts]))
@@ -182,12 +182,8 @@ def _best_length(reach: torch.Tensor, costs: DraftCosts) -> int:
     """The k with the most expected tokens per second, or the fewest lost against plain steps where none beats them
     (`choose_draft_length` looking ahead)."""
     expected, seconds = _expected_tokens_and_seconds(reach, costs)
-    rate = max(_plain_rate(reach, costs), float((expected / seconds).max()))
+    rate = max(reach.shape[0] / costs.verify_seconds[0], float((expected / seconds).max()))
     return _fastest((expected - rate * seconds).tolist())
-
-
-def _plain_rate(reach: torch.Tensor, costs: DraftCosts) -> float:
-    return reach.shape[0] / costs.verify_seconds[0]  # tokens per second of plain steps, every row
 
 
 def _fastest(rates: list[float]) -> int:
