@@ -103,7 +103,9 @@ def gguf_path(name: str) -> str:
                             output.write(chunk)
             os.replace(path + ".partial", path)
     if sha256_of([path]) != spec.sha256:
-        raise RuntimeError(f"{path} does not match the pinned sha256 {spec.sha256}: reinstall `{spec.install_command()}`")
+        raise RuntimeError(
+            f"{path} does not match the pinned sha256 {spec.sha256}: reinstall `{spec.install_command()}`"
+        )
     return path
 
 
@@ -119,8 +121,10 @@ def target_dir(name: str) -> str:
 
     path = gguf_path(name)
     directory, filename = os.path.split(path)
-    print(f"converting {filename} to an fp32 safetensors folder in {folder} (once; 4 bytes per parameter on disk)",
-          flush=True)
+    print(
+        f"converting {filename} to an fp32 safetensors folder in {folder} (once; 4 bytes per parameter on disk)",
+        flush=True,
+    )
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
     # A GGUF-loaded model carries its quantizer; the weights are already dequantised to fp32.

@@ -39,8 +39,15 @@ class DominoContextCache:
         self.pending = []
         mask = None
         if any(part_mask is not None for _, _, part_mask in parts):
-            mask = torch.cat([torch.ones(part.shape[:2], dtype=torch.bool, device=part.device) if part_mask is None
-                              else part_mask.bool() for part, _, part_mask in parts], dim=1)  # fmt: skip
+            mask = torch.cat(
+                [
+                    torch.ones(part.shape[:2], dtype=torch.bool, device=part.device)
+                    if part_mask is None
+                    else part_mask.bool()
+                    for part, _, part_mask in parts
+                ],
+                dim=1,
+            )
         return torch.cat([part for part, _, _ in parts], 1), torch.cat([pos for _, pos, _ in parts], 1), mask
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:

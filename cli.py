@@ -135,8 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         close = difflib.get_close_matches(argv[0], COMMANDS, 1)
-        print(f"domino-spec: unknown command {argv[0]!r}" + (f" (did you mean {close[0]}?)" if close else "")
-              + f"; commands: {', '.join(COMMANDS)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"domino-spec: unknown command {argv[0]!r}"
+            + (f" (did you mean {close[0]}?)" if close else "")
+            + f"; commands: {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     if not argv or argv[0] not in COMMANDS:
         print(__doc__)

@@ -177,7 +177,8 @@ class DominoConfig(PretrainedConfig):
             self.target_hidden_size == self.hidden_size,
             "target_hidden_size",
             self.target_hidden_size,
-            f"hidden_size={self.hidden_size}: the draft embeds with the target's embeddings and projects with its LM head",
+            f"hidden_size={self.hidden_size}: the draft embeds with the target's embeddings and projects with its LM "
+            "head",
         )
         _check(
             _is_integer(self.block_size) and self.block_size >= 2,
@@ -191,7 +192,8 @@ class DominoConfig(PretrainedConfig):
             and all(_is_integer(i) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
             "target_layer_ids",
             self.target_layer_ids,
-            f"a non-empty list of layer indices in [0, {self.num_target_layers - 1}] (num_target_layers={self.num_target_layers})",
+            f"a non-empty list of layer indices in [0, {self.num_target_layers - 1}] "
+            f"(num_target_layers={self.num_target_layers})",
         )
         _check(
             _is_integer(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
@@ -206,15 +208,13 @@ class DominoConfig(PretrainedConfig):
             f"an integer in [0, {self.num_draft_tokens}] (the number of drafts per block)",
         )
         _check(
-            self.draft_vocab_size is None or (_is_integer(self.draft_vocab_size) and
-                                              0 < self.draft_vocab_size <= self.vocab_size),
+            self.draft_vocab_size is None
+            or (_is_integer(self.draft_vocab_size) and 0 < self.draft_vocab_size <= self.vocab_size),
             "draft_vocab_size",
             self.draft_vocab_size,
             f"None (the whole vocabulary) or a size in [1, {self.vocab_size}] (vocab_size={self.vocab_size})",
         )
-        _check(
-            0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)"
-        )
+        _check(0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "a float in [0, 1)")
         _check(
             _is_positive_number(self.rms_norm_eps), "rms_norm_eps", self.rms_norm_eps, "a positive float such as 1e-06"
         )

@@ -55,9 +55,14 @@ def config_for_target(
 
 
 def from_target(
-    target: PreTrainedModel, num_hidden_layers: int = 1, block_size: int = 16, tokenizer=None,
-    draft_vocab: torch.Tensor | list[int] | None = None, draft_class: type = DominoDraftModel, **overrides,
-) -> DominoDraftModel:  # fmt: skip
+    target: PreTrainedModel,
+    num_hidden_layers: int = 1,
+    block_size: int = 16,
+    tokenizer=None,
+    draft_vocab: torch.Tensor | list[int] | None = None,
+    draft_class: type = DominoDraftModel,
+    **overrides,
+) -> DominoDraftModel:
     """A randomly initialised `draft_class` matched to `target` (any HF causal LM: Qwen3, Qwen2, Llama, ...), of the
     config `config_for_target` gives; `draft_vocab` (token ids, the most frequent first) limits what it proposes."""
     if draft_vocab is not None:
@@ -100,8 +105,12 @@ def set_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor) -> None:
     """Make `token_ids` (the draft's `draft_vocab_size` distinct ids, most frequent first) its draft vocabulary."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=draft.fc.weight.device)
     size, vocab_size = draft.config.draft_vocab_size, draft.config.vocab_size
-    if (token_ids.shape != (size,) or token_ids.unique().numel() != size or int(token_ids.min()) < 0
-            or int(token_ids.max()) >= vocab_size):  # fmt: skip
+    if (
+        token_ids.shape != (size,)
+        or token_ids.unique().numel() != size
+        or int(token_ids.min()) < 0
+        or int(token_ids.max()) >= vocab_size
+    ):
         raise ValueError(
             f"draft_vocab must hold {size} distinct token ids in [0, {vocab_size - 1}] (draft_vocab_size and "
             f"vocab_size of the config), got a tensor of shape {tuple(token_ids.shape)}."

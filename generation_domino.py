@@ -7,7 +7,7 @@ the draft at no extra target cost. `generate` has no hook for an assistant to su
 an assistant with a `get_candidate_generator` method supplies one; others are untouched).
 
 Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and
-transformers.
+transformers, and the package's cost-aware draft length where the package is installed.
 """
 
 import functools
@@ -23,14 +23,24 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache_domino import DominoContextCache
 from .configuration_domino import check_input_ids
-from .drafting import DeviceClock, DraftSampling, certain_logits, cost_aware_drafting, draft_round
+from .drafting import DeviceClock, DraftSampling, certain_logits, draft_round
 from .transformers_compat import croppable_cache, passed_cache
+
+try:  # transformers loads a checkpoint's code without this import, which is inside a try block
+    from domino_spec.cost_aware import cost_aware_drafting
+except ImportError:
+    cost_aware_drafting = None
 
 
 def candidate_generator(
-    draft, target: PreTrainedModel, generation_config, input_ids: torch.LongTensor, logits_processor=None,
-    model_kwargs: dict | None = None, tokenizer=None,
-) -> "DominoCandidateGenerator":  # fmt: skip
+    draft,
+    target: PreTrainedModel,
+    generation_config,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    model_kwargs: dict | None = None,
+    tokenizer=None,
+) -> "DominoCandidateGenerator":
     """The candidate generator of `target.generate(..., assistant_model=draft)`, after checking what `generate` was
     given: the draft's target, one prompt, no prefilled cache, a cache that can drop rejected drafts."""
     draft.check_target(target)
@@ -101,7 +111,16 @@ class DominoCandidateGenerator(CandidateGenerator):
                 mask = StopStringDraftMask(self.stop_strings)
                 self.logits_processor = LogitsProcessorList([*(self.logits_processor or []), mask])
                 self.sampling = None
-        self.drafting = cost_aware_drafting(target, draft, self.options, do_sample=self.do_sample)
+        self.drafting = None
+        if cost_aware_drafting is not None:
+            self.drafting = cost_aware_drafting(target, draft, self.options, do_sample=self.do_sample)
+        elif self.options.cost_aware(target.device):
+            warnings.warn(
+                "Domino verifies every draft here: the cost-aware draft length (the default on CPU, where a longer "
+                "verify pass costs more) comes with the domino_spec package. Install it to verify only the drafts "
+                "that pay.",
+                stacklevel=2,
+            )
         self.clock = DeviceClock(draft.device)
         self.verify_start: float | None = None  # when the last candidates went to the target
 

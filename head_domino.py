@@ -29,6 +29,8 @@ from torch import nn
 from .configuration_domino import DominoConfig
 from .drafting import DraftingOptions, DraftSampling
 
+DEFAULT_OPTIONS = DraftingOptions()
+
 # Shapes: M rows (sequences, or blocks in training), S slots (drafts per block), V draft vocabulary, D hidden,
 # G GRU state, R rank of the logit residual, P candidate pool.
 
@@ -270,8 +272,12 @@ def greedy_head(
     pool_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy drafting of a block as one pure tensor function (what `compile_drafting` captures): `slot_loop`."""
-    return slot_loop(base_logits, block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size), weights,
-                     first_corrected)  # fmt: skip
+    return slot_loop(
+        base_logits,
+        block_inputs(base_logits, draft_hidden, anchor_embeds, weights, pool_size),
+        weights,
+        first_corrected,
+    )
 
 
 def base_drafts(
@@ -289,8 +295,10 @@ def base_drafts(
         return token_ids(indices.view(base_logits.shape[:2]), vocab), logits, pick_confidence(logits)
     if choose is None:
         return token_ids(base_logits.argmax(-1), vocab), base_logits, pick_confidence(base_logits)
-    picks = [choose(slot, to_target_vocabulary(base_logits[:, slot], vocab, vocab_size))
-             for slot in range(base_logits.shape[1])]  # fmt: skip
+    picks = [
+        choose(slot, to_target_vocabulary(base_logits[:, slot], vocab, vocab_size))
+        for slot in range(base_logits.shape[1])
+    ]
     logits = torch.stack([slot_logits for _, slot_logits in picks], 1)
     return torch.stack([token for token, _ in picks], 1), logits, pick_confidence(logits)
 
@@ -335,7 +343,7 @@ class DominoHead(nn.Module):
         embed_tokens: nn.Module,
         vocab: torch.Tensor | None,
         logits_dtype: torch.dtype,
-        options: DraftingOptions = DraftingOptions(),
+        options: DraftingOptions = DEFAULT_OPTIONS,
         whole_vocabulary: bool = False,
     ) -> HeadWeights:
         """The weights in the slot loop's layouts, derived once per weight version; `whole_vocabulary` prepares for
@@ -377,7 +385,7 @@ class DominoHead(nn.Module):
         anchor_embeds: torch.Tensor,
         embed_tokens: nn.Module,
         vocab: torch.Tensor | None,
-        options: DraftingOptions = DraftingOptions(),
+        options: DraftingOptions = DEFAULT_OPTIONS,
         choose: Chooser | None = None,
         vocab_size: int | None = None,
         whole_vocabulary: bool = False,
@@ -395,11 +403,13 @@ class DominoHead(nn.Module):
         if choose is not None or sampling is not None or whole_vocabulary:
             weights = self.weights(embed_tokens, vocab, base_logits.dtype, options, whole_vocabulary=True)
             block = block_inputs(base_logits, draft_hidden, anchor_embeds, weights)
-            return slot_loop(base_logits, block, weights, self.first_corrected_slot, choose, vocab_size, sampling,
-                             generator)  # fmt: skip
+            return slot_loop(
+                base_logits, block, weights, self.first_corrected_slot, choose, vocab_size, sampling, generator
+            )
         weights = self.weights(embed_tokens, vocab, base_logits.dtype, options)
-        return greedy(base_logits, draft_hidden, anchor_embeds, weights, self.first_corrected_slot,
-                      options.candidate_pool)  # fmt: skip
+        return greedy(
+            base_logits, draft_hidden, anchor_embeds, weights, self.first_corrected_slot, options.candidate_pool
+        )
 
 
 __all__ = [

@@ -166,8 +166,12 @@ class DominoAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -454,8 +458,9 @@ class DominoDraftModel(PreTrainedModel):
 
         Args:
             input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`): the ground-truth sequence.
-            target_hidden (`torch.Tensor` of shape `(batch_size, sequence_length, len(target_layer_ids) * hidden_size)`):
-                the target's tapped hidden states for the same sequence (see `fuse_target_hidden_states`).
+            target_hidden (`torch.Tensor` of shape
+                `(batch_size, sequence_length, len(target_layer_ids) * hidden_size)`): the target's tapped hidden states
+                for the same sequence (see `fuse_target_hidden_states`).
             anchor_positions (`torch.LongTensor` of shape `(batch_size, num_blocks)`): index of each block's anchor.
                 Blocks may overlap; each sees only the context before its anchor and itself.
             embed_tokens, lm_head (`nn.Module`): the target's input embeddings and LM head.
@@ -498,8 +503,14 @@ class DominoDraftModel(PreTrainedModel):
         prefix_positions = (anchor_positions[:, :, None] + offsets[:num_slots]).clamp(max=length - 1)
         prefix_ids = input_ids.gather(1, prefix_positions.view(batch_size, -1)).view(-1, num_slots)  # [B*N, S]
         if head_reads_predictions:  # argmax has no gradient: the GRU reads the predictions as constants
-            _, logits, _ = self.head.draft(flat_base, flat_hidden, embed_tokens(prefix_ids[:, 0]), embed_tokens,
-                                           self.draft_vocab, whole_vocabulary=True)  # fmt: skip
+            _, logits, _ = self.head.draft(
+                flat_base,
+                flat_hidden,
+                embed_tokens(prefix_ids[:, 0]),
+                embed_tokens,
+                self.draft_vocab,
+                whole_vocabulary=True,
+            )
         else:
             logits = self.head(flat_base, flat_hidden, embed_tokens(prefix_ids))
         return DominoOutput(logits=logits.view_as(base_logits), base_logits=base_logits)
@@ -630,22 +641,29 @@ class DominoDraftModel(PreTrainedModel):
         generator: torch.Generator | None = None,
     ) -> DominoDraft:
         """The rest of a drafting round after `block_logits`: the head's slot loop (compiled or fused where the package
-        set that up: `domino_spec.generation`), or without a head each slot's pick from its base logits. `choose` (processed or sampled
-        drafting, `head_domino.slot_chooser`) picks from each slot's logits over the target's vocabulary; `sampling`
-        draws from the draft vocabulary's; neither is greedy."""
+        set that up: `domino_spec.generation`), or without a head each slot's pick from its base logits. `choose`
+        (processed or sampled drafting, `head_domino.slot_chooser`) picks from each slot's logits over the target's
+        vocabulary; `sampling` draws from the draft vocabulary's; neither is greedy."""
         vocab_size = self.config.vocab_size
         if self.head is None:
-            tokens, logits, confidence = base_drafts(block.base_logits, self.draft_vocab, choose, vocab_size, sampling,
-                                                     generator)  # fmt: skip
+            tokens, logits, confidence = base_drafts(
+                block.base_logits, self.draft_vocab, choose, vocab_size, sampling, generator
+            )
         else:
             greedy = self.__dict__.get("_greedy_head", greedy_head)  # fused: `domino_spec.generation.fuse_head_step`
             compiled = self.__dict__.get("_compiled_drafting")
             greedy = greedy if compiled is None else compiled.greedy_head(greedy)
             tokens, logits, confidence = self.head.draft(
-                *block, embed_tokens, self.draft_vocab, options or self.drafting_options, choose, vocab_size,
-                greedy=greedy, sampling=sampling,
+                *block,
+                embed_tokens,
+                self.draft_vocab,
+                options or self.drafting_options,
+                choose,
+                vocab_size,
+                greedy=greedy,
+                sampling=sampling,
                 generator=generator,
-            )  # fmt: skip
+            )
         if choose is None:  # greedy and sampled logits are the draft vocabulary's
             logits = to_target_vocabulary(logits, self.draft_vocab, vocab_size)
         return DominoDraft(tokens=tokens, logits=logits, confidence=confidence)
@@ -668,12 +686,20 @@ class DominoDraftModel(PreTrainedModel):
         state.pop("_compiled_drafting", None)
         return state
 
-    def get_candidate_generator(self, target: PreTrainedModel, generation_config, input_ids: torch.LongTensor,
-                                logits_processor=None, model_kwargs: dict | None = None, tokenizer=None,
-                                **kwargs) -> DominoCandidateGenerator:  # fmt: skip
+    def get_candidate_generator(
+        self,
+        target: PreTrainedModel,
+        generation_config,
+        input_ids: torch.LongTensor,
+        logits_processor=None,
+        model_kwargs: dict | None = None,
+        tokenizer=None,
+        **kwargs,
+    ) -> DominoCandidateGenerator:
         """The candidate generator `target.generate(..., assistant_model=draft)` uses (`generation_domino.py`)."""
-        return candidate_generator(self, target, generation_config, input_ids, logits_processor, model_kwargs,
-                                   tokenizer)  # fmt: skip
+        return candidate_generator(
+            self, target, generation_config, input_ids, logits_processor, model_kwargs, tokenizer
+        )
 
 
 DominoDraftModel.register_for_auto_class("AutoModel")  # save_pretrained then writes `auto_map` and copies the code

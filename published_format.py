@@ -329,7 +329,8 @@ def config_to_published(config, dtype: torch.dtype = torch.bfloat16, auto_map: d
     }
     if head:
         dflash_config.update(
-            projector_type=DOMINO_PROJECTOR, **{name: getattr(config, ours) for name, ours in DOMINO_HEAD_FIELDS.items()}
+            projector_type=DOMINO_PROJECTOR,
+            **{name: getattr(config, ours) for name, ours in DOMINO_HEAD_FIELDS.items()},
         )
         published["emb_dim"] = config.residual_rank  # duplicated at the top level, as in the published checkpoints
     published["dflash_config"] = dflash_config
@@ -398,8 +399,10 @@ def state_dict_to_published(
     if vocab is not None and RESIDUAL_UP_KEY in state_dict:
         up = state_dict[RESIDUAL_UP_KEY]
         state_dict[RESIDUAL_UP_KEY] = up.new_zeros(vocab_size, up.shape[1]).index_copy_(0, vocab, up)
-    return {key.removeprefix(HEAD_PREFIX): tensor.detach().to(dtype=dtype, device="cpu").contiguous()
-            for key, tensor in state_dict.items()}  # fmt: skip
+    return {
+        key.removeprefix(HEAD_PREFIX): tensor.detach().to(dtype=dtype, device="cpu").contiguous()
+        for key, tensor in state_dict.items()
+    }
 
 
 # ---------------------------------------------------------------------- load and save

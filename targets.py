@@ -18,22 +18,52 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # Random-weight targets of real models' layer shapes, named `<model>-shapes` (and `tiny`).
 SHAPE_PRESETS = {
     "tiny": dict(
-        model_type="qwen3", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        model_type="qwen3",
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
     ),
     "qwen3-0.6b-shapes": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
     ),
     "qwen3-4b-shapes": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
     ),
     "qwen3-8b-shapes": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=False,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
     ),
-}  # fmt: skip
+}
 
 
 def default_device() -> str:
@@ -123,5 +153,12 @@ def left_pad(prompts: list, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.
     return input_ids, attention_mask
 
 
-__all__ = ["SHAPE_PRESETS", "check_model_folder", "eos_token_ids", "left_pad", "load_target", "pad_token_id",
-           "prompt_token_ids"]  # fmt: skip
+__all__ = [
+    "SHAPE_PRESETS",
+    "check_model_folder",
+    "eos_token_ids",
+    "left_pad",
+    "load_target",
+    "pad_token_id",
+    "prompt_token_ids",
+]

@@ -28,8 +28,9 @@ def cache_keyword(model) -> str:
     """The name `model.forward` takes its KV cache by. A PEFT-wrapped model forwards `**kwargs` to the model it
     wraps: that one's signature decides."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return next((name for name in CACHE_KEYWORDS if name in inspect.signature(model.forward).parameters),
-                CACHE_KEYWORDS[-1])  # fmt: skip
+    return next(
+        (name for name in CACHE_KEYWORDS if name in inspect.signature(model.forward).parameters), CACHE_KEYWORDS[-1]
+    )
 
 
 def takes_argument(model, name: str) -> bool:
@@ -67,5 +68,11 @@ def tapped_hidden_states(layer_ids: list[int]) -> bool | list[int]:
     return True
 
 
-__all__ = ["cache_keyword", "croppable_cache", "new_dynamic_cache", "passed_cache", "takes_argument",
-           "tapped_hidden_states"]
+__all__ = [
+    "cache_keyword",
+    "croppable_cache",
+    "new_dynamic_cache",
+    "passed_cache",
+    "takes_argument",
+    "tapped_hidden_states",
+]

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import transformers
+
 from domino_spec import DominoContextCache, DominoDraftModel
 from domino_spec.draft_building import from_target
 from domino_spec.drafting import DraftingOptions
@@ -79,9 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-pool", type=int, default=0, help="DraftingOptions.candidate_pool (0: whole vocabulary)")
     parser.add_argument("--draft-vocab-size", type=int, default=0, help="a draft vocabulary of N tokens (0: none)")
     parser.add_argument(
-        "--no-cpu-optimization", dest="cpu_optimization", action="store_false",
+        "--no-cpu-optimization",
+        dest="cpu_optimization",
+        action="store_false",
         help="on CPU, time eager nn.Linear instead of preparing both models with optimize_for_cpu",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     args.cpu_optimization = args.cpu_optimization and args.device == "cpu"  # what the results record: applied or not
@@ -206,8 +209,9 @@ def measure_draft(
         return draft.block_logits(anchor, anchor_position, draft_cache, embed_tokens, lm_head)
 
     def draft_round():
-        return draft.draft_block(anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features,
-                                 new_positions, options=options)  # fmt: skip
+        return draft.draft_block(
+            anchor, anchor_position, draft_cache, embed_tokens, lm_head, new_features, new_positions, options=options
+        )
 
     def crop_new_context():
         draft_cache.crop(-committed)
@@ -292,8 +296,7 @@ def build_models(
     target, _ = load_target(target_name, dtype, device)
     draft_vocab = torch.arange(draft_vocab_size) if draft_vocab_size else None
     with torch.device(device):  # initialising ~1B draft parameters on the CPU would take longer than the GPU run
-        draft = from_target(target, num_hidden_layers=draft_layers, block_size=block_size,
-                                             draft_vocab=draft_vocab)  # fmt: skip
+        draft = from_target(target, num_hidden_layers=draft_layers, block_size=block_size, draft_vocab=draft_vocab)
     return target, draft.eval()
 
 
@@ -302,8 +305,10 @@ def cpu_optimization_summary(optimization: CPUOptimization | None) -> dict | Non
     count (None: eager `nn.Linear`)."""
     if optimization is None:
         return None
-    plans = {f"{out}x{inp} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}": plan
-             for (out, inp, dtype, bias), plan in optimization.plans.items()}  # fmt: skip
+    plans = {
+        f"{out}x{inp} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}": plan
+        for (out, inp, dtype, bias), plan in optimization.plans.items()
+    }
     return {"extra_mib": round(optimization.extra_bytes / 2**20, 1), "plans": plans}
 
 
@@ -414,8 +419,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # on a shared CPU, fewer threads than cores avoids OpenMP spin stalls
-    target, draft = build_models(args.target, DTYPES[args.dtype], args.device, args.draft_layers, args.block_size,
-                                 args.draft_vocab_size)  # fmt: skip
+    target, draft = build_models(
+        args.target, DTYPES[args.dtype], args.device, args.draft_layers, args.block_size, args.draft_vocab_size
+    )
     model = model_summary(target, draft)
     optimization = optimize_for_cpu(target, draft) if args.cpu_optimization else None
 

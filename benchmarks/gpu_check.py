@@ -97,7 +97,7 @@ def head_variants(args: argparse.Namespace) -> list[tuple[int, bool]]:
 
 
 def drafting_options(args: argparse.Namespace, pool: int = 0) -> DraftingOptions:
-    """The `DraftingOptions` of a head variant, with `--gate-table-mib` (fused or not is the draft's: `fuse_head_step`)."""
+    """The `DraftingOptions` of a head variant, with `--gate-table-mib` (fused or not: the draft's `fuse_head_step`)."""
     table = {} if args.gate_table_mib is None else {"gate_table_max_bytes": args.gate_table_mib * 2**20}
     return DraftingOptions(candidate_pool=pool, **table)
 
@@ -221,7 +221,12 @@ def same_tokens_as_eager(drafted: dict[str, torch.Tensor]) -> dict[str, bool]:
 
 
 def results_of(
-    args: argparse.Namespace, model: dict, timer: Timer, timings: dict, drafted: dict, errors: dict,
+    args: argparse.Namespace,
+    model: dict,
+    timer: Timer,
+    timings: dict,
+    drafted: dict,
+    errors: dict,
     started: float,
 ) -> dict:
     variants = {}

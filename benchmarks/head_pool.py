@@ -59,19 +59,22 @@ def pool_acceptance(
                 options = DraftingOptions(candidate_pool=pool, draft_length="full")
                 lengths, outputs = [], []
                 for input_ids in prompt_ids:
-                    output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens,
-                                                  options=options)  # fmt: skip
+                    output = speculative_generate(
+                        target, draft, input_ids, max_new_tokens=max_new_tokens, options=options
+                    )
                     lengths += output.acceptance_lengths[0]
                     outputs.append(output.sequences)
                     progress.update(1)
                 reference = reference or outputs
-                rows.append({
-                    "eval_set": name,
-                    "pool": pool,
-                    "mean_acceptance_length": sum(lengths) / len(lengths),
-                    "rounds": len(lengths),
-                    "identical_to_pool_0": all(map(torch.equal, outputs, reference)),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "eval_set": name,
+                        "pool": pool,
+                        "mean_acceptance_length": sum(lengths) / len(lengths),
+                        "rounds": len(lengths),
+                        "identical_to_pool_0": all(map(torch.equal, outputs, reference)),
+                    }
+                )
     return rows
 
 

@@ -43,8 +43,8 @@ from domino_spec.generation import speculative_generate
 from domino_spec.generation.eval_sets import EVAL_SETS, eval_prompts
 from domino_spec.published_format import load_draft
 from domino_spec.targets import eos_token_ids, load_target, pad_token_id, prompt_token_ids
-from domino_spec.training.train import load_checked_data, parse_train_arguments
 from domino_spec.training.collator import DominoDataCollator
+from domino_spec.training.train import load_checked_data, parse_train_arguments
 from domino_spec.training.trainer import DominoTrainer
 
 STARTED = "started.json"  # in a variant's run folder: when its training began, to time its checkpoints
@@ -56,21 +56,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", required=True, help="regenerated training data (.jsonl)")
     parser.add_argument("--features", default=None, help="a feature store of --data (domino-spec cache-features)")
     parser.add_argument("--eval-data", required=True, help="held-out regenerated data (.jsonl) for the proxy")
-    parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
-                        help="a curve: its name and the train flags it adds (repeatable)")  # fmt: skip
-    parser.add_argument("--steps", type=int, required=True,
-                        help="training steps of every variant (one with its own --max_steps flag takes those)")  # fmt: skip
+    parser.add_argument(
+        "--variant",
+        action="append",
+        required=True,
+        metavar="NAME=FLAGS",
+        help="a curve: its name and the train flags it adds (repeatable)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        required=True,
+        help="training steps of every variant (one with its own --max_steps flag takes those)",
+    )
     parser.add_argument("--eval-every", type=int, required=True, help="steps between scored checkpoints")
     parser.add_argument("--tau-prompts", type=int, default=3, help="prompts of each bench set for tau")
     parser.add_argument("--tau-tokens", type=int, default=128, help="new tokens per prompt for tau")
     parser.add_argument("--runs", default="runs/curves", help="folder of the variants' training runs")
-    parser.add_argument("--score-only", action="store_true",
-                        help="score the checkpoints the variants' runs hold, training nothing (an unfinished run)")  # fmt: skip
-    parser.add_argument("--parallel", action="store_true",
-                        help="train every variant at once, on an equal share of the cores each, then score them")  # fmt: skip
+    parser.add_argument(
+        "--score-only",
+        action="store_true",
+        help="score the checkpoints the variants' runs hold, training nothing (an unfinished run)",
+    )
+    parser.add_argument(
+        "--parallel",
+        action="store_true",
+        help="train every variant at once, on an equal share of the cores each, then score them",
+    )
     parser.add_argument("--output", type=Path, required=True, help="results JSON (.md and .png beside it)")
-    parser.add_argument("--continues", type=Path, default=None,
-                        help="the results JSON of the session the --init_from variants go on from")  # fmt: skip
+    parser.add_argument(
+        "--continues",
+        type=Path,
+        default=None,
+        help="the results JSON of the session the --init_from variants go on from",
+    )
     args = parser.parse_args(argv)
     args.variant = dict(variant.split("=", 1) for variant in args.variant)
     return args
@@ -110,8 +129,11 @@ def starts(args: argparse.Namespace) -> dict[str, dict]:
 def counted_from(start: dict | None, step: int, examples: int, hours: float) -> dict:
     """A checkpoint's step, examples and CPU-hours counted on from `start` (None: from zero)."""
     start = start or {"step": 0, "examples": 0, "cpu_hours": 0.0}
-    return {"step": start["step"] + step, "examples": start["examples"] + examples,
-            "cpu_hours": round(start["cpu_hours"] + hours, 3)}  # fmt: skip
+    return {
+        "step": start["step"] + step,
+        "examples": start["examples"] + examples,
+        "cpu_hours": round(start["cpu_hours"] + hours, 3),
+    }
 
 
 def start_training(args: argparse.Namespace, name: str, threads: int) -> subprocess.Popen:
@@ -151,8 +173,9 @@ def tau(draft, target, prompts: list[torch.Tensor], eos: list[int], max_new_toke
     options = DraftingOptions(draft_length="full")
     rounds = []
     for input_ids in prompts:
-        output = speculative_generate(target, draft, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                      options=options)  # fmt: skip
+        output = speculative_generate(
+            target, draft, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos, options=options
+        )
         rounds += output.acceptance_lengths[0]
     return sum(rounds) / len(rounds)
 
@@ -161,11 +184,15 @@ def proxy(args: argparse.Namespace, name: str, draft, target, tokenizer, eval_da
     """`DominoTrainer.evaluate` of the checkpoint on the held-out data: the training loss's metrics."""
     _, training_args = parse_train_arguments(train_flags(args, name) + ["--report_to", "none"])
     collator = DominoDataCollator(pad_token_id(tokenizer), training_args.num_anchors)
-    trainer = DominoTrainer(model=draft, target=target, args=training_args, eval_dataset=eval_dataset,
-                            data_collator=collator)  # fmt: skip
+    trainer = DominoTrainer(
+        model=draft, target=target, args=training_args, eval_dataset=eval_dataset, data_collator=collator
+    )
     metrics = trainer.evaluate()
-    return {key.removeprefix("eval_"): round(value, 4) for key, value in metrics.items()
-            if key in ("eval_loss", "eval_acceptance_base", "eval_acceptance_final")}  # fmt: skip
+    return {
+        key.removeprefix("eval_"): round(value, 4)
+        for key, value in metrics.items()
+        if key in ("eval_loss", "eval_acceptance_base", "eval_acceptance_final")
+    }
 
 
 def score(args: argparse.Namespace, results: dict, name: str) -> None:
@@ -173,8 +200,11 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
     target, tokenizer = load_target(parse_train_arguments(train_flags(args, name))[0].target)
     eval_dataset = load_checked_data(args.eval_data, target, tokenizer, max_length=1024).remove_columns("index")
     eos = eos_token_ids(target, tokenizer)
-    prompts = [torch.tensor([prompt_token_ids(tokenizer, item["messages"])], device=target.device)
-               for set_name in EVAL_SETS for item in eval_prompts(set_name, args.tau_prompts)]  # fmt: skip
+    prompts = [
+        torch.tensor([prompt_token_ids(tokenizer, item["messages"])], device=target.device)
+        for set_name in EVAL_SETS
+        for item in eval_prompts(set_name, args.tau_prompts)
+    ]
     points = results["curves"].setdefault(name, {})
     start = results.get("starts", {}).get(name)
     for checkpoint in checkpoints(args, name):
@@ -200,17 +230,23 @@ def curve(results: dict, name: str) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| variant | step | examples | epoch | CPU-hours | eval loss | proxy (base) | proxy (final) | tau |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| variant | step | examples | epoch | CPU-hours | eval loss | proxy (base) | proxy (final) | tau |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in results["curves"]:
         for point in curve(results, name):
-            lines.append(f"| {name} | {point['step']} | {point['examples']} | {point['epoch']} | {point['cpu_hours']} | "
-                         f"{point['loss']} | {point['acceptance_base']} | {point['acceptance_final']} | "
-                         f"{point['tau']} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {point['step']} | {point['examples']} | {point['epoch']} | {point['cpu_hours']} | "
+                f"{point['loss']} | {point['acceptance_base']} | {point['acceptance_final']} | "
+                f"{point['tau']} |"
+            )
     flags = "\n".join(f"- {name}: `{flags or '(the recipe)'}`" for name, flags in results["variants"].items())
     if results.get("starts"):
-        flags += (f"\n\nSteps, examples and CPU-hours count on from `{results['recipe']['continues']}`, whose last "
-                  f"point starts the curves of {', '.join(results['starts'])}.")  # fmt: skip
+        flags += (
+            f"\n\nSteps, examples and CPU-hours count on from `{results['recipe']['continues']}`, whose last "
+            f"point starts the curves of {', '.join(results['starts'])}."
+        )
     return f"# Learning curves\n\n{results['settings']}\n\n{flags}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -247,8 +283,15 @@ def write(output: Path, results: dict) -> None:
 def recipe(args: argparse.Namespace) -> dict:
     """What the scores depend on, besides each variant's flags (the scoring interval only picks the checkpoints)."""
     continues = {"continues": str(args.continues)} if args.continues else {}  # absent: earlier results still load
-    return {"config": args.config, "data": args.data, "eval_data": args.eval_data, "steps": args.steps,
-            "tau_prompts": args.tau_prompts, "tau_tokens": args.tau_tokens, **continues}  # fmt: skip
+    return {
+        "config": args.config,
+        "data": args.data,
+        "eval_data": args.eval_data,
+        "steps": args.steps,
+        "tau_prompts": args.tau_prompts,
+        "tau_tokens": args.tau_tokens,
+        **continues,
+    }
 
 
 def load_results(args: argparse.Namespace) -> dict:

@@ -56,8 +56,14 @@ def main() -> None:
             batch = prompts[start : start + args.batch_size]
             input_ids, attention_mask = left_pad([prompt_token_ids(tokenizer, p.messages, None) for p in batch], pad)
             tick = time.perf_counter()
-            sequences = target.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                        max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+            sequences = target.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
             seconds["transformers generate"] += time.perf_counter() - tick
             path = f"{folder}/batch{start}.jsonl"
             tick = time.perf_counter()
@@ -72,10 +78,14 @@ def main() -> None:
 
     baseline = seconds["transformers generate"]
     rows = {
-        method: {"seconds": value, "tokens_per_s": tokens / value, "prompts_per_s": len(prompts) / value,
-                 "speedup": baseline / value}
+        method: {
+            "seconds": value,
+            "tokens_per_s": tokens / value,
+            "prompts_per_s": len(prompts) / value,
+            "speedup": baseline / value,
+        }
         for method, value in seconds.items()
-    }  # fmt: skip
+    }
     environment = draft_cost.environment(str(target.device))
     lines = [
         f"# Regeneration throughput: {args.target}, {len(prompts)} prompts, batch {args.batch_size}, at most "
@@ -88,13 +98,21 @@ def main() -> None:
         "",
         "| method | seconds | response tokens/s | prompts/s | speedup |",
         "|---|---:|---:|---:|---:|",
-        *(f"| {method} | {row['seconds']:.1f} | {row['tokens_per_s']:.1f} | {row['prompts_per_s']:.3f} | "
-          f"{row['speedup']:.2f}x |" for method, row in rows.items()),
-    ]  # fmt: skip
+        *(
+            f"| {method} | {row['seconds']:.1f} | {row['tokens_per_s']:.1f} | {row['prompts_per_s']:.3f} | "
+            f"{row['speedup']:.2f}x |"
+            for method, row in rows.items()
+        ),
+    ]
     report = "\n".join(lines) + "\n"
     print(report)
-    results = {"settings": vars(args) | {"output": str(args.output)}, "environment": environment, "results": rows,
-               "response_tokens": tokens, "identical": identical}  # fmt: skip
+    results = {
+        "settings": vars(args) | {"output": str(args.output)},
+        "environment": environment,
+        "results": rows,
+        "response_tokens": tokens,
+        "identical": identical,
+    }
     draft_cost.write_results(results, report, args.output)
     print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
 

@@ -26,8 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_smollm2-135m.json"
 CHECKPOINT = ROOT / "checkpoints" / "domino-smollm2-135m"
 CARD_SECTION = "## Acceptance and speed"
-EVAL_SET_NAMES = {"mt-bench": "MT-Bench", "humaneval": "HumanEval", "humaneval-long": "HumanEval-long",
-                  "gsm-symbolic": "gsm_symbolic"}  # fmt: skip
+EVAL_SET_NAMES = {
+    "mt-bench": "MT-Bench",
+    "humaneval": "HumanEval",
+    "humaneval-long": "HumanEval-long",
+    "gsm-symbolic": "gsm_symbolic",
+}
 # The README table's columns: (method, heading), in this order, where the bench ran the method.
 SUMMARY_METHODS = (
     ("prompt-lookup", "prompt lookup (`generate`)"),
@@ -68,8 +72,9 @@ def identical_counts(report: dict) -> tuple[int, int]:
 
 def wrap(paragraph: str, indent: str = "") -> str:
     """A paragraph (or a list item, its later lines indented by `indent`) in lines of the documents' width."""
-    return textwrap.fill(paragraph, width=LINE_WIDTH, subsequent_indent=indent, break_long_words=False,
-                         break_on_hyphens=False)  # fmt: skip
+    return textwrap.fill(
+        paragraph, width=LINE_WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
 
 
 def _name(eval_set: str) -> str:
@@ -110,25 +115,37 @@ def summary_table(report: dict) -> str:
     """README's table: per eval set, plain decoding's tokens/s and each method's speedup and tau."""
     rows = warm_rows(report)
     methods = [(method, heading) for method, heading in SUMMARY_METHODS if method_values(report, method, "speedup")]
-    lines = ["| eval set | plain decoding, tokens/s (native, `generate`) | "
-             + " | ".join(heading for _, heading in methods) + " |",
-             "|---|---:|" + "---:|" * len(methods)]  # fmt: skip
+    lines = [
+        "| eval set | plain decoding, tokens/s (native, `generate`) | "
+        + " | ".join(heading for _, heading in methods)
+        + " |",
+        "|---|---:|" + "---:|" * len(methods),
+    ]
     for name in eval_sets(report):
-        plain = ", ".join(f"{rows[(name, method)]['tokens_per_s']:.2f}"
-                          for method in ("plain-native", "plain") if (name, method) in rows)  # fmt: skip
+        plain = ", ".join(
+            f"{rows[(name, method)]['tokens_per_s']:.2f}"
+            for method in ("plain-native", "plain")
+            if (name, method) in rows
+        )
         cells = []
         for method, _ in methods:
             row = rows.get((name, method))
             bold = "**" if method == "domino" else ""
-            cells.append("-" if row is None else
-                         f"{bold}{row['speedup']:.2f}x{bold}, tau {row['mean_acceptance_length']:.2f}")  # fmt: skip
+            cells.append(
+                "-" if row is None else f"{bold}{row['speedup']:.2f}x{bold}, tau {row['mean_acceptance_length']:.2f}"
+            )
         lines.append(f"| {_name(name)} | {plain or '-'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def readme_results(report: dict) -> str:
-    text = wrap(f"{caption(report)} Speedup over plain decoding in the same engine, and tau (tokens per target "
-                "pass, rounds that skipped drafting included):") + f"\n\n{summary_table(report)}"  # fmt: skip
+    text = (
+        wrap(
+            f"{caption(report)} Speedup over plain decoding in the same engine, and tau (tokens per target "
+            "pass, rounds that skipped drafting included):"
+        )
+        + f"\n\n{summary_table(report)}"
+    )
     if len(speedup_matrix(report["results"])[1]) > 1:
         text += "\n\nThis bench also measured other settings: their speedups are in BENCHMARKS.md's settings matrix."
     return text
@@ -159,11 +176,16 @@ def benchmarks_table(report: dict) -> str:
     rows = list(warm_rows(report).values())
     parts = [wrap(caption(report)), card_table(rows)]
     if len(speedup_matrix(report["results"])[1]) > 1:
-        parts += ["Settings matrix: each drafting method's speedup over plain decoding in the same engine and "
-                  "setting, and its tau:", matrix_table(report["results"])]  # fmt: skip
+        parts += [
+            "Settings matrix: each drafting method's speedup over plain decoding in the same engine and "
+            "setting, and its tau:",
+            matrix_table(report["results"]),
+        ]
     if report.get("cost_model"):
-        parts += ["Cost model, measured in the same run (the verify pass over k drafts, one per k):",
-                  cost_model_table(report["cost_model"])]  # fmt: skip
+        parts += [
+            "Cost model, measured in the same run (the verify pass over k drafts, one per k):",
+            cost_model_table(report["cost_model"]),
+        ]
     if report.get("quality"):
         parts.append(quality_line(report["quality"]))
     return "\n\n".join(part for part in parts if part)
@@ -178,9 +200,11 @@ def speed_findings(report: dict) -> list[str]:
     speedups = method_values(report, "domino", "speedup")
     looked_up = method_values(report, "domino", "looked_up_fraction")
     sets = ", ".join(_name(name) for name in eval_sets(report) if (name, "domino") in warm_rows(report))
-    lines = [f"- **Faster than plain decoding on every set in the native engine: "
-             f"{_met(all(round(s, 2) > 1 for s in speedups))}** ({_x(speedups)} on {sets}); "
-             f"{min(looked_up):.0%}-{max(looked_up):.0%} of its rounds verify looked-up tokens."]  # fmt: skip
+    lines = [
+        f"- **Faster than plain decoding on every set in the native engine: "
+        f"{_met(all(round(s, 2) > 1 for s in speedups))}** ({_x(speedups)} on {sets}); "
+        f"{min(looked_up):.0%}-{max(looked_up):.0%} of its rounds verify looked-up tokens."
+    ]
     others = (("prompt-lookup", "transformers' prompt lookup"), ("domino-hf", "Domino through `target.generate`"))
     for method, what in others:
         if method_values(report, method, "speedup"):
@@ -188,8 +212,9 @@ def speed_findings(report: dict) -> list[str]:
     if method_values(report, "domino-alone", "speedup"):
         alone = _x(method_values(report, "domino-alone", "speedup"))
         drafts = _plain(method_values(report, "domino-alone", "drafts_per_round"))
-        lines.append(f"- The draft alone (`domino-alone`, prompt lookup off): {alone}, verifying {drafts} drafts "
-                     "a round.")  # fmt: skip
+        lines.append(
+            f"- The draft alone (`domino-alone`, prompt lookup off): {alone}, verifying {drafts} drafts a round."
+        )
     return lines
 
 
@@ -199,8 +224,10 @@ def goal_findings(report: dict) -> list[str]:
     speedups = method_values(report, "domino", "speedup")
     taus = method_values(report, "domino", "mean_acceptance_length")
     fast = [_name(name) for name, speedup in zip(names, speedups, strict=True) if round(speedup, 2) >= SPEEDUP_GOAL]
-    lines = [f"- **{SPEEDUP_GOAL}x on {SPEEDUP_GOAL_SETS} sets: {_met(len(fast) >= SPEEDUP_GOAL_SETS)}** "
-             f"({SPEEDUP_GOAL}x or more on: {', '.join(fast) or 'none'})."]  # fmt: skip
+    lines = [
+        f"- **{SPEEDUP_GOAL}x on {SPEEDUP_GOAL_SETS} sets: {_met(len(fast) >= SPEEDUP_GOAL_SETS)}** "
+        f"({SPEEDUP_GOAL}x or more on: {', '.join(fast) or 'none'})."
+    ]
     tau_goals = [TAU_GOALS.get(name, TAU_GOAL) for name in names]
     wanted = ", ".join(f"{_name(name)} >= {goal}" for name, goal in zip(names, tau_goals, strict=True))
     met = all(round(tau, 2) >= goal for tau, goal in zip(taus, tau_goals, strict=True))
@@ -208,11 +235,14 @@ def goal_findings(report: dict) -> list[str]:
     dflash = method_values(report, "dflash", "mean_acceptance_length")
     if len(dflash) == len(taus):
         ratios = [tau / other for tau, other in zip(taus, dflash, strict=True)]
-        lines.append(f"- **Domino's tau >= {HEAD_GOAL}x the DFlash-only draft's: "
-                     f"{_met(all(round(r, 2) >= HEAD_GOAL for r in ratios))}** ({_x(ratios)}).")  # fmt: skip
+        lines.append(
+            f"- **Domino's tau >= {HEAD_GOAL}x the DFlash-only draft's: "
+            f"{_met(all(round(r, 2) >= HEAD_GOAL for r in ratios))}** ({_x(ratios)})."
+        )
     identical, checked = identical_counts(report)
-    lines.append(f"- **Every output identical to plain decoding: {_met(identical == checked)}** "
-                 f"({identical} of {checked}).")  # fmt: skip
+    lines.append(
+        f"- **Every output identical to plain decoding: {_met(identical == checked)}** ({identical} of {checked})."
+    )
     return lines
 
 
@@ -228,15 +258,19 @@ def cost_findings(report: dict) -> list[str]:
         return (round_ms + verify[k]) / step
 
     steps = ", ".join(f"{ms / step:.2f}" for ms in verify[1:])
-    lines = [f"- The cost model (Domino): a decode step is {step:.1f} ms; verifying 1..{drafts} drafts costs {steps} "
-             f"steps; a draft round {round_ms / step:.2f} of a step, a looked-up round nothing. So a drafted round "
-             f"pays off at tau {break_even(few):.2f} with {few} drafts and {break_even(drafts):.2f} with {drafts}, and "
-             f"{SPEEDUP_GOAL}x needs tau {SPEEDUP_GOAL * break_even(drafts):.2f} at {drafts} drafts."]  # fmt: skip
+    lines = [
+        f"- The cost model (Domino): a decode step is {step:.1f} ms; verifying 1..{drafts} drafts costs {steps} "
+        f"steps; a draft round {round_ms / step:.2f} of a step, a looked-up round nothing. So a drafted round "
+        f"pays off at tau {break_even(few):.2f} with {few} drafts and {break_even(drafts):.2f} with {drafts}, and "
+        f"{SPEEDUP_GOAL}x needs tau {SPEEDUP_GOAL * break_even(drafts):.2f} at {drafts} drafts."
+    ]
     looked = method_values(report, "prompt-lookup", "drafts_per_round")
     if looked:
         limit = report["config"].get("prompt_lookup_num_tokens")
-        lines.append(f"- transformers' prompt lookup verifies up to {limit} tokens whenever it finds a match: "
-                     f"{_plain(looked)} a round here.")  # fmt: skip
+        lines.append(
+            f"- transformers' prompt lookup verifies up to {limit} tokens whenever it finds a match: "
+            f"{_plain(looked)} a round here."
+        )
     return lines
 
 
@@ -280,8 +314,11 @@ def rendered(report: dict, root: Path = ROOT, checkpoint: Path = CHECKPOINT) -> 
         readme: replace_region(readme.read_text(), "results-table", readme_results(report), readme),
         benchmarks: replace_region(
             replace_region(benchmarks.read_text(), "bench-table", benchmarks_table(report), benchmarks),
-            "bench-goals", goals(report), benchmarks),
-    }  # fmt: skip
+            "bench-goals",
+            goals(report),
+            benchmarks,
+        ),
+    }
     card = checkpoint / "README.md"
     trimmed = json.loads(shipped_results(report))
     documents[card] = replace_card_section(card.read_text(), acceptance_section(trimmed), card)

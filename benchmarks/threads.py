@@ -52,10 +52,23 @@ def measure(target: str, context: int, verify_tokens: int, repeats: int) -> dict
 
 def run_processes(args: argparse.Namespace, environment: dict, count: int) -> list[dict]:
     """`count` processes of `measure` at once under `environment`; their results."""
-    command = [sys.executable, __file__, "--measure", "--target", args.target, "--context", str(args.context),
-               "--verify-tokens", str(args.verify_tokens), "--repeats", str(args.repeats)]  # fmt: skip
-    processes = [subprocess.Popen(command, env={**os.environ, **environment}, stdout=subprocess.PIPE, text=True)
-                 for _ in range(count)]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--measure",
+        "--target",
+        args.target,
+        "--context",
+        str(args.context),
+        "--verify-tokens",
+        str(args.verify_tokens),
+        "--repeats",
+        str(args.repeats),
+    ]
+    processes = [
+        subprocess.Popen(command, env={**os.environ, **environment}, stdout=subprocess.PIPE, text=True)
+        for _ in range(count)
+    ]
     return [json.loads(process.communicate()[0].strip().splitlines()[-1]) for process in processes]
 
 
@@ -78,20 +91,31 @@ def main() -> None:
             samples[name]["alone"] += run_processes(args, environment, 1)
             samples[name]["beside a busy process"] += run_processes(args, environment, 2)
     keys = ("1_token_ms", f"{args.verify_tokens}_token_ms")
-    results = {name: {mode: {key: round(statistics.median(run[key] for run in runs), 1) for key in keys}
-                      for mode, runs in modes.items()} for name, modes in samples.items()}  # fmt: skip
-    lines = [f"# OpenMP settings: {args.target}, context {args.context}, median of {args.rounds} processes x "
-             f"{args.repeats} passes", "", f"cpus: {os.cpu_count()}", "",
-             "| setting | alone: 1 token ms | alone: verify ms | beside a busy process: 1 token ms | verify ms |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    results = {
+        name: {
+            mode: {key: round(statistics.median(run[key] for run in runs), 1) for key in keys}
+            for mode, runs in modes.items()
+        }
+        for name, modes in samples.items()
+    }
+    lines = [
+        f"# OpenMP settings: {args.target}, context {args.context}, median of {args.rounds} processes x "
+        f"{args.repeats} passes",
+        "",
+        f"cpus: {os.cpu_count()}",
+        "",
+        "| setting | alone: 1 token ms | alone: verify ms | beside a busy process: 1 token ms | verify ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, modes in results.items():
         alone, busy = modes["alone"], modes["beside a busy process"]
         lines.append(f"| {name} | {alone[keys[0]]} | {alone[keys[1]]} | {busy[keys[0]]} | {busy[keys[1]]} |")
     report = "\n".join(lines) + "\n"
     print(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"settings": vars(args) | {"output": str(args.output)}, "results": results},
-                                      indent=2) + "\n")  # fmt: skip
+    args.output.write_text(
+        json.dumps({"settings": vars(args) | {"output": str(args.output)}, "results": results}, indent=2) + "\n"
+    )
     args.output.with_suffix(".md").write_text(report)
     print(f"wrote {args.output} and {args.output.with_suffix('.md')}")
 

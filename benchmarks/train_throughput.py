@@ -33,6 +33,7 @@ from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
 import draft_cost  # noqa: E402
 
+
 def random_dataset(vocab_size: int, count: int, length: int, prompt_length: int, seed: int) -> datasets.Dataset:
     generator = torch.Generator().manual_seed(seed)
     rows = [
@@ -50,8 +51,9 @@ def time_training(target, dataset, args, feature_store: FeatureStore | None, dra
     """Seconds per optimizer step, after one untimed warmup step; a draft vocabulary of its first ids, when sized."""
     torch.manual_seed(args.seed)
     draft_vocab = torch.arange(draft_vocab_size) if draft_vocab_size else None
-    draft = from_target(target, num_hidden_layers=args.draft_layers, block_size=args.block_size,
-                                         draft_vocab=draft_vocab)  # fmt: skip
+    draft = from_target(
+        target, num_hidden_layers=args.draft_layers, block_size=args.block_size, draft_vocab=draft_vocab
+    )
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = DominoTrainingArguments(
             output_dir=output_dir,
@@ -91,8 +93,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--length", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
-    parser.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[],
-                        help="also time the feature-store steps with these draft vocabulary sizes")  # fmt: skip
+    parser.add_argument(
+        "--draft-vocab-sizes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the feature-store steps with these draft vocabulary sizes",
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("train_throughput.json"))
@@ -116,11 +123,16 @@ def main() -> None:
     rows = {
         "online features": {"seconds_per_step": online, "tokens_per_s": tokens_per_step / online},
         "feature store": {"seconds_per_step": stored, "tokens_per_s": tokens_per_step / stored},
-        **{f"feature store, draft vocabulary {size}": {"seconds_per_step": seconds, "tokens_per_s":
-                                                          tokens_per_step / seconds}
-           for size, seconds in by_vocab.items()},  # fmt: skip
+        **{
+            f"feature store, draft vocabulary {size}": {
+                "seconds_per_step": seconds,
+                "tokens_per_s": tokens_per_step / seconds,
+            }
+            for size, seconds in by_vocab.items()
+        },
         "feature store build (per sequence)": {
-            "seconds_per_step": feature_seconds, "tokens_per_s": args.length / feature_seconds,
+            "seconds_per_step": feature_seconds,
+            "tokens_per_s": args.length / feature_seconds,
         },
     }
     environment = draft_cost.environment(device)

@@ -36,7 +36,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from ..drafting import learned_costs
+from ..cost_aware import learned_costs
 from ..targets import eos_token_ids, left_pad, prompt_token_ids
 from .cpu import CPUOptimization
 from .engine import DeviceClock, pooled_position_rates, speculative_generate
@@ -76,15 +76,25 @@ class Setting:
     def columns(self) -> dict:
         """The setting as the columns of a results row."""
         sampled = not self.greedy
-        return {"batch_size": self.batch_size, "do_sample": sampled, "temperature": self.temperature,
-                "top_p": self.top_p if sampled else None, "top_k": self.top_k if sampled else None,
-                "seed": self.seed if sampled else None}  # fmt: skip
+        return {
+            "batch_size": self.batch_size,
+            "do_sample": sampled,
+            "temperature": self.temperature,
+            "top_p": self.top_p if sampled else None,
+            "top_k": self.top_k if sampled else None,
+            "seed": self.seed if sampled else None,
+        }
 
     @classmethod
     def of_row(cls, row: dict) -> "Setting":
         """The setting of a results row (rows written before settings were columns: batch 1 greedy)."""
-        return cls(row.get("batch_size", 1), row.get("temperature", 0.0), row.get("top_p"), row.get("top_k"),
-                   row.get("seed") or 0)  # fmt: skip
+        return cls(
+            row.get("batch_size", 1),
+            row.get("temperature", 0.0),
+            row.get("top_p"),
+            row.get("top_k"),
+            row.get("seed") or 0,
+        )
 
     def label(self) -> str:
         """Short name of the setting, for tables and figures: "B=4, greedy", "B=1, T=0.7, top-p 0.9"."""
@@ -157,13 +167,17 @@ class MethodRun:
             "verified_tokens": self.verified_tokens,  # tau = verified_tokens / verify_passes
             "verify_passes": self.verify_passes,
             "drafts_per_round": round(self.drafts_verified / self.rounds, 3) if self.rounds else None,
-            "looked_up_fraction": (round(self.looked_up_rounds / self.rounds, 3)
-                                   if self.rounds and self.looked_up_rounds is not None else None),  # fmt: skip
+            "looked_up_fraction": (
+                round(self.looked_up_rounds / self.rounds, 3)
+                if self.rounds and self.looked_up_rounds is not None
+                else None
+            ),
             "position_acceptance": pooled_position_rates(self.position_accepted, self.position_verified),
             "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
             "identical": self.identical,
-            "identical_fraction": (self.identical / self.prompts
-                                   if self.prompts and self.identical is not None else None),
+            "identical_fraction": (
+                self.identical / self.prompts if self.prompts and self.identical is not None else None
+            ),
         }
 
 
@@ -182,9 +196,18 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def decode(method: str, target, drafts: dict, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
-           run: MethodRun, optimization: CPUOptimization | None = None, setting: Setting = Setting(),
-           generator: torch.Generator | None = None) -> list[list[int]]:  # fmt: skip
+def decode(
+    method: str,
+    target,
+    drafts: dict,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: list[int],
+    run: MethodRun,
+    optimization: CPUOptimization | None = None,
+    setting: Setting = Setting(),
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
     """Decode a batch of prompts (token-id lists) with `method` in `setting`, adding its time and acceptance to `run`;
     returns each row's new tokens. transformers' paths take one prompt, greedy; `optimization` is suspended for
     `plain-eager`; `generator` draws the native engine's samples."""
@@ -224,20 +247,44 @@ def decode(method: str, target, drafts: dict, prompts: list[list[int]], max_new_
     return [tokens]
 
 
-def _decode_native(method: str, target, drafts: dict, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
-                   run: MethodRun, setting: Setting, generator: torch.Generator | None) -> list[list[int]]:  # fmt: skip
+def _decode_native(
+    method: str,
+    target,
+    drafts: dict,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: list[int],
+    run: MethodRun,
+    setting: Setting,
+    generator: torch.Generator | None,
+) -> list[list[int]]:
     """`decode` in the native engine: the prompts left-padded into one batch."""
     input_ids, attention_mask = (tensor.to(target.device) for tensor in left_pad(prompts, pad_token_id=eos[0]))
     draft = drafts[DRAFT_OF[method]] if method in DRAFT_OF else None
     options = replace(draft.drafting_options, prompt_lookup=0) if method == "domino-alone" else None
-    sampling = {} if setting.greedy else {
-        "do_sample": True, "temperature": setting.temperature, "top_k": setting.top_k, "top_p": setting.top_p,
-        "generator": generator,
-    }  # fmt: skip
+    sampling = (
+        {}
+        if setting.greedy
+        else {
+            "do_sample": True,
+            "temperature": setting.temperature,
+            "top_k": setting.top_k,
+            "top_p": setting.top_p,
+            "generator": generator,
+        }
+    )
     clock = DeviceClock(input_ids.device)  # a GPU decode is timed to its last kernel
     start = clock()
-    output = speculative_generate(target, draft, input_ids, attention_mask=attention_mask,
-                                  max_new_tokens=max_new_tokens, eos_token_id=eos, options=options, **sampling)
+    output = speculative_generate(
+        target,
+        draft,
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        options=options,
+        **sampling,
+    )
     run.seconds += clock() - start
     width = input_ids.shape[1]
     for lengths in output.acceptance_lengths:
@@ -274,7 +321,7 @@ def run_bench(
     """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`) in every setting it applies to
     (`Setting.methods`), with the baselines they need added (`with_baselines`), on the target and drafts
     `optimization` prepared, if any; returns what `bench_report.write_results` writes, with the cost model of each
-    draft as its batch-1 rounds learned it in this run (`drafting.learned_costs`). `texts` holds the outputs of the
+    draft as its batch-1 rounds learned it in this run (`cost_aware.learned_costs`). `texts` holds the outputs of the
     first setting (what `--quality` scores)."""
     missing = [m for m in methods if m in DRAFT_OF and drafts.get(DRAFT_OF[m]) is None]
     if missing:
@@ -284,23 +331,34 @@ def run_bench(
     prompt_ids = tokenized_prompts(tokenizer, prompts, thinking)
     results, texts = [], None
     for setting in settings:
-        runs = bench_setting(target, drafts, prompt_ids, setting.methods(methods), setting, max_new_tokens, eos,
-                             optimization)  # fmt: skip
-        texts = texts or {name: {m: [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in run.outputs]
-                                 for m, run in by_method.items()} for name, by_method in runs.items()}  # fmt: skip
+        runs = bench_setting(
+            target, drafts, prompt_ids, setting.methods(methods), setting, max_new_tokens, eos, optimization
+        )
+        texts = texts or {
+            name: {
+                m: [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in run.outputs]
+                for m, run in by_method.items()
+            }
+            for name, by_method in runs.items()
+        }
         results += setting_results(runs, setting, prepared=optimization is not None)
     return {
         "results": results,
         "cost_model": {name: cost_model(target, draft) for name, draft in drafts.items() if draft is not None},
-        "config": {"prompts": {n: len(p) for n, p in prompts.items()}, "max_new_tokens": max_new_tokens,
-                   "methods": list(methods), "method_descriptions": {m: METHODS[m] for m in methods},
-                   "greedy": all(setting.greedy for setting in settings),
-                   "settings": [setting.columns() for setting in settings],
-                   "target": target.name_or_path,
-                   "drafts": {name: draft.name_or_path for name, draft in drafts.items() if draft is not None},
-                   "dtype": str(target.dtype).removeprefix("torch."),
-                   "cpu_optimization": optimization is not None,
-                   "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "warmup_tokens": WARMUP_TOKENS},
+        "config": {
+            "prompts": {n: len(p) for n, p in prompts.items()},
+            "max_new_tokens": max_new_tokens,
+            "methods": list(methods),
+            "method_descriptions": {m: METHODS[m] for m in methods},
+            "greedy": all(setting.greedy for setting in settings),
+            "settings": [setting.columns() for setting in settings],
+            "target": target.name_or_path,
+            "drafts": {name: draft.name_or_path for name, draft in drafts.items() if draft is not None},
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "cpu_optimization": optimization is not None,
+            "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+            "warmup_tokens": WARMUP_TOKENS,
+        },
         "machine": machine_description(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "texts": texts,
@@ -310,13 +368,22 @@ def run_bench(
 
 def tokenized_prompts(tokenizer, prompts: dict[str, list[dict]], thinking: bool | None = None) -> dict[str, list]:
     """`{eval_set: [prompt token ids]}` of `{eval_set: eval_prompts(eval_set)}`, chat template applied."""
-    return {name: [prompt_token_ids(tokenizer, item["messages"], thinking) for item in items]
-            for name, items in prompts.items()}  # fmt: skip
+    return {
+        name: [prompt_token_ids(tokenizer, item["messages"], thinking) for item in items]
+        for name, items in prompts.items()
+    }
 
 
-def bench_setting(target, drafts: dict, prompt_ids: dict[str, list[list[int]]], methods: Sequence[str],
-                  setting: Setting, max_new_tokens: int, eos: list[int],
-                  optimization: CPUOptimization | None = None) -> dict[str, dict[str, MethodRun]]:  # fmt: skip
+def bench_setting(
+    target,
+    drafts: dict,
+    prompt_ids: dict[str, list[list[int]]],
+    methods: Sequence[str],
+    setting: Setting,
+    max_new_tokens: int,
+    eos: list[int],
+    optimization: CPUOptimization | None = None,
+) -> dict[str, dict[str, MethodRun]]:
     """`{eval_set: {method: MethodRun}}` of one setting: each batch of prompts decoded by every method in turn, after
     an untimed warm-up per method (no method pays the one-off costs of a first call at this batch size: allocations,
     kernel choice; `--cold` measures those). Greedy outputs are compared with the reference's (`reference_method`)."""
@@ -324,20 +391,36 @@ def bench_setting(target, drafts: dict, prompt_ids: dict[str, list[list[int]]], 
     generators = {method: sampling_generator(target.device, setting) for method in methods}
     warmup_batch = next(ids for ids in prompt_ids.values() if ids)[: setting.batch_size]
     for method in methods:
-        decode(method, target, drafts, warmup_batch, WARMUP_TOKENS, eos, MethodRun(), optimization, setting,
-               sampling_generator(target.device, setting))  # fmt: skip
-    runs = {name: {method: MethodRun(identical=0 if setting.greedy else None) for method in methods}
-            for name in prompt_ids}  # fmt: skip
-    batches = [(name, ids[start : start + setting.batch_size])
-               for name, ids in prompt_ids.items() for start in range(0, len(ids), setting.batch_size)]  # fmt: skip
-    progress = tqdm(total=sum(len(batch) for _, batch in batches) * len(methods), desc=f"bench {setting.label()}",
-                    unit="decode")  # fmt: skip
+        decode(
+            method,
+            target,
+            drafts,
+            warmup_batch,
+            WARMUP_TOKENS,
+            eos,
+            MethodRun(),
+            optimization,
+            setting,
+            sampling_generator(target.device, setting),
+        )
+    runs = {
+        name: {method: MethodRun(identical=0 if setting.greedy else None) for method in methods} for name in prompt_ids
+    }
+    batches = [
+        (name, ids[start : start + setting.batch_size])
+        for name, ids in prompt_ids.items()
+        for start in range(0, len(ids), setting.batch_size)
+    ]
+    progress = tqdm(
+        total=sum(len(batch) for _, batch in batches) * len(methods), desc=f"bench {setting.label()}", unit="decode"
+    )
     for name, batch in batches:
         expected = None
         for method in sorted(methods, key=lambda method: method != reference):  # the reference first
             run = runs[name][method]
-            rows = decode(method, target, drafts, batch, max_new_tokens, eos, run, optimization, setting,
-                          generators[method])  # fmt: skip
+            rows = decode(
+                method, target, drafts, batch, max_new_tokens, eos, run, optimization, setting, generators[method]
+            )
             expected = rows if method == reference else expected
             run.record_outputs(rows, expected if setting.greedy else None)
             progress.update(len(batch))
@@ -356,8 +439,9 @@ def sampling_generator(device: torch.device, setting: Setting) -> torch.Generato
     return None if setting.greedy else torch.Generator(device=device).manual_seed(setting.seed)
 
 
-def setting_results(runs: dict[str, dict[str, MethodRun]], setting: Setting, prepared: bool,
-                    timing: str = "warm") -> list[dict]:  # fmt: skip
+def setting_results(
+    runs: dict[str, dict[str, MethodRun]], setting: Setting, prepared: bool, timing: str = "warm"
+) -> list[dict]:
     """The results rows of one setting: each method against plain decoding in its own engine and this setting, and
     (batch 1 greedy, on a `prepared` target) against eager `target.generate`. `timing`: "warm" (after a warm-up) or
     "cold" (a process's first call, `cold_start`)."""
@@ -367,8 +451,15 @@ def setting_results(runs: dict[str, dict[str, MethodRun]], setting: Setting, pre
             # Each engine against its own plain decoding: the native loop and generate's differ in overhead.
             baseline = by_method["plain-native" if method in NATIVE_METHODS else "plain"]
             eager = by_method.get("plain-eager" if prepared else "plain")
-            rows.append({"eval_set": name, "method": method, **setting.columns(), "timing": timing,
-                         **run.summary(baseline, eager)})  # fmt: skip
+            rows.append(
+                {
+                    "eval_set": name,
+                    "method": method,
+                    **setting.columns(),
+                    "timing": timing,
+                    **run.summary(baseline, eager),
+                }
+            )
     return rows
 
 

@@ -36,55 +36,69 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dflash", default=None, help="DFlash-only draft folder (head off), for the dflash method")
     parser.add_argument("--eval-sets", default=",".join(EVAL_SETS), help=f"comma-separated from {ALL_EVAL_SETS}")
     parser.add_argument(
-        "--methods", default=",".join(name for name in METHODS if name != "plain-eager"),
+        "--methods",
+        default=",".join(name for name in METHODS if name != "plain-eager"),
         help=f"comma-separated from {', '.join(METHODS)}; the plain decodings a method is measured against (plain, "
         "plain-native for the native engine's methods, plain-eager on a prepared CPU target) are added when missing",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--no-cpu-optimization", action="store_true",
+        "--no-cpu-optimization",
+        action="store_true",
         help="time eager nn.Linear on CPU instead of preparing the target and drafts with optimize_for_cpu",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--draft-length", choices=DRAFT_LENGTHS, default="auto",
+        "--draft-length",
+        choices=DRAFT_LENGTHS,
+        default="auto",
         help="drafts verified per round: cost (as many as pay, by the costs learned from the run's own rounds), "
         "full (every draft), auto (cost on CPU, full elsewhere)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--prompt-lookup", type=int, default=DraftingOptions.prompt_lookup, metavar="N",
+        "--prompt-lookup",
+        type=int,
+        default=DraftingOptions.prompt_lookup,
+        metavar="N",
         help="with a cost-aware draft length, verify the tokens that followed an earlier occurrence of the last N "
         "tokens (or fewer) instead of drafting, in rounds where that pays; 0: every round drafts",
-    )  # fmt: skip
+    )
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (quick runs)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--quality", action="store_true", help="also score every method's outputs with evaluate")
     parser.add_argument(
-        "--allow-code-execution", action="store_true",
+        "--allow-code-execution",
+        action="store_true",
         help="let --quality score HumanEval by running the model-written programs here, sandboxed (README: what the "
         "sandbox isolates; it is not a security boundary). HF_ALLOW_CODE_EVAL=1 allows it too",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--batch-sizes", default="1", metavar="B,...",
+        "--batch-sizes",
+        default="1",
+        metavar="B,...",
         help="comma-separated prompts per call: the native engine's methods decode the prompts in left-padded "
         "batches of each size, against plain-native at that size (transformers' methods run at batch 1 only)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--temperature", default="0", metavar="T,...",
+        "--temperature",
+        default="0",
+        metavar="T,...",
         help="comma-separated sampling temperatures, 0 for greedy: each is a setting (sampled outputs are not "
         "compared; transformers' methods run greedy only)",
-    )  # fmt: skip
+    )
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling of the sampled settings")
     parser.add_argument("--top-k", type=int, default=None, help="top-k sampling of the sampled settings")
     parser.add_argument("--seed", type=int, default=0, help="seed of each sampled method's generator")
     parser.add_argument(
-        "--cold", action="store_true",
+        "--cold",
+        action="store_true",
         help="also time each method's first call in a fresh process (one per method, setting and eval set, on its "
-        "first batch): model loading excluded, optimize_for_cpu (with the kernel plans the warm run cached on disk) and "
-        "the first call's set-up included",
-    )  # fmt: skip
+        "first batch): model loading excluded, optimize_for_cpu (with the kernel plans the warm run cached on disk) "
+        "and the first call's set-up included",
+    )
     parser.add_argument(
-        "--background-load", action="store_true",
+        "--background-load",
+        action="store_true",
         help="run the whole bench beside a low-priority (nice 19) CPU-bound process, as on a machine in use",
-    )  # fmt: skip
+    )
     parser.add_argument("--output", default="runs/bench", help="folder for bench_results.{json,md} and the figures")
     return parser.parse_args(argv)
 
@@ -96,8 +110,10 @@ def comma_separated(flag: str, text: str, kind: type, minimum: float) -> list:
     except ValueError:
         values = []
     if not values or min(values) < minimum:
-        raise ValueError(f"{flag} {text}: expected comma-separated {kind.__name__}s of at least {minimum:g}, e.g. "
-                         f"{flag} {'1,4,12' if kind is int else '0,0.7'}.")  # fmt: skip
+        raise ValueError(
+            f"{flag} {text}: expected comma-separated {kind.__name__}s of at least {minimum:g}, e.g. "
+            f"{flag} {'1,4,12' if kind is int else '0,0.7'}."
+        )
     return list(dict.fromkeys(values))
 
 
@@ -114,14 +130,19 @@ def settings_of(args: argparse.Namespace) -> list[Setting]:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be at least 1.")
-    return [Setting(batch_size, temperature, args.top_p, args.top_k, args.seed)
-            for temperature in temperatures for batch_size in batch_sizes]  # fmt: skip
+    return [
+        Setting(batch_size, temperature, args.top_p, args.top_k, args.seed)
+        for temperature in temperatures
+        for batch_size in batch_sizes
+    ]
 
 
 # A CPU-bound loop at the lowest priority that ends with the bench: it spins while its parent lives, looking every
 # million iterations (tens of ms), so a bench killed without cleaning up leaves none behind.
-BUSY_LOOP = ("import os, sys\nos.nice(19)\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
-             "    for _ in range(1_000_000):\n        pass\n")  # fmt: skip
+BUSY_LOOP = (
+    "import os, sys\nos.nice(19)\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
+    "    for _ in range(1_000_000):\n        pass\n"
+)
 
 
 @contextlib.contextmanager
@@ -151,17 +172,24 @@ def main(argv: list[str]) -> None:
 
         require_code_execution(args.allow_code_execution, eval_sets)
     needed = {DRAFT_OF[method] for method in methods if method in DRAFT_OF}
-    folders = {name: folder for name, folder in (("domino", args.domino or SHIPPED_DRAFT), ("dflash", args.dflash))
-               if folder and name in needed}  # fmt: skip
+    folders = {
+        name: folder
+        for name, folder in (("domino", args.domino or SHIPPED_DRAFT), ("dflash", args.dflash))
+        if folder and name in needed
+    }
     for name, folder in folders.items():
         check_draft_folder(folder, f"--{name}")
     if "dflash" in folders and draft_config(folders["dflash"])[0].use_domino_head:
-        raise ValueError(f"--dflash {args.dflash} has a Domino head: the dflash method measures a backbone-only draft "
-                         "(train one with --use_domino_head false).")  # fmt: skip
+        raise ValueError(
+            f"--dflash {args.dflash} has a Domino head: the dflash method measures a backbone-only draft "
+            "(train one with --use_domino_head false)."
+        )
     skipped = [method for method in methods if method not in NATIVE_METHODS]
     if skipped and not any(setting.batch_size == 1 and setting.greedy for setting in settings):
-        print(f"{', '.join(skipped)}: transformers' methods run at batch 1, greedy only, which these settings leave "
-              "out", flush=True)  # fmt: skip
+        print(
+            f"{', '.join(skipped)}: transformers' methods run at batch 1, greedy only, which these settings leave out",
+            flush=True,
+        )
     prompts = {name: eval_prompts(name, args.limit) for name in eval_sets}
     with background_load(args.background_load):
         report = bench_report(args, settings, methods, folders, prompts)
@@ -175,13 +203,17 @@ def main(argv: list[str]) -> None:
     print("wrote " + ", ".join(paths.values()))
 
 
-def bench_report(args: argparse.Namespace, settings: list[Setting], methods: list[str], folders: dict[str, str],
-                 prompts: dict[str, list[dict]]) -> dict:  # fmt: skip
+def bench_report(
+    args: argparse.Namespace,
+    settings: list[Setting],
+    methods: list[str],
+    folders: dict[str, str],
+    prompts: dict[str, list[dict]],
+) -> dict:
     """Load the models, run the bench in every setting (and, with `--cold`, every first call in a fresh process);
     the report, every row with its settings as columns."""
     target, tokenizer = load_target(args.target)
-    drafts = {name: load_draft(folder, dtype=target.dtype).to(target.device).eval()
-              for name, folder in folders.items()}  # fmt: skip
+    drafts = {name: load_draft(folder, dtype=target.dtype).to(target.device).eval() for name, folder in folders.items()}
     drafting_options = DraftingOptions(draft_length=args.draft_length, prompt_lookup=args.prompt_lookup)
     for draft in drafts.values():
         draft.drafting_options = drafting_options
@@ -189,16 +221,24 @@ def bench_report(args: argparse.Namespace, settings: list[Setting], methods: lis
     if target.device.type == "cpu" and not args.no_cpu_optimization:
         print("preparing the target and drafts for multi-token passes on this CPU (optimize_for_cpu)", flush=True)
         optimization = optimize_for_cpu(target, *drafts.values())
-    report = run_bench(target, tokenizer, drafts, prompts, methods, args.max_new_tokens, optimization=optimization,
-                       settings=settings)  # fmt: skip
+    report = run_bench(
+        target, tokenizer, drafts, prompts, methods, args.max_new_tokens, optimization=optimization, settings=settings
+    )
     if args.cold:
         measured = report["config"]["methods"]  # with the baselines run_bench added
         prompt_ids = tokenized_prompts(tokenizer, prompts)
-        report["results"] += cold_results(args.target, folders, drafting_options, prompt_ids, measured, settings,
-                                          args.max_new_tokens, eos_token_ids(target, tokenizer),
-                                          prepared=optimization is not None)  # fmt: skip
+        report["results"] += cold_results(
+            args.target,
+            folders,
+            drafting_options,
+            prompt_ids,
+            measured,
+            settings,
+            args.max_new_tokens,
+            eos_token_ids(target, tokenizer),
+            prepared=optimization is not None,
+        )
     for row in report["results"]:
         row["background_load"] = args.background_load
     report["config"].update(cold=args.cold, background_load=args.background_load)
     return report
-

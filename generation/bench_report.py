@@ -119,8 +119,9 @@ def plot_matrix(results: list[dict], path: str) -> None:
     each cell annotated with its speedup and tau; 1x (plain decoding's speed) is white, faster green, slower red."""
     plt = _pyplot()
     rows, columns, cells = speedup_matrix(results)
-    speedups = [[cells[(row, column)]["speedup"] if (row, column) in cells else None for column in columns]
-                for row in rows]  # fmt: skip
+    speedups = [
+        [cells[(row, column)]["speedup"] if (row, column) in cells else None for column in columns] for row in rows
+    ]
     values = [[float("nan") if speedup is None else speedup for speedup in line] for line in speedups]
     figure, axis = plt.subplots(figsize=(2.0 + 1.6 * max(len(columns), 1), 1.2 + 0.45 * max(len(rows), 1)))
     if rows:
@@ -131,8 +132,11 @@ def plot_matrix(results: list[dict], path: str) -> None:
         for i, row in enumerate(rows):
             for j, column in enumerate(columns):
                 cell = cells.get((row, column))
-                text = "-" if cell is None or cell["speedup"] is None else (
-                    f"{cell['speedup']:.2f}x\ntau {cell['mean_acceptance_length']:.2f}")  # fmt: skip
+                text = (
+                    "-"
+                    if cell is None or cell["speedup"] is None
+                    else (f"{cell['speedup']:.2f}x\ntau {cell['mean_acceptance_length']:.2f}")
+                )
                 axis.text(j, i, text, ha="center", va="center", fontsize=8)
     axis.set_xticks(range(len(columns)), columns, rotation=30, ha="right", fontsize=8)
     axis.set_yticks(range(len(rows)), [f"{eval_set}: {method}" for eval_set, method in rows], fontsize=8)
@@ -167,8 +171,11 @@ def write_results(report: dict, output_dir: str) -> dict[str, str]:
     with open(paths["results.md"], "w", encoding="utf-8") as file:
         file.write(header(report))
         if len(speedup_matrix(report["results"])[1]) > 1:
-            file.write("Speedup over plain decoding in the same engine and setting (tau):\n\n"
-                       + matrix_table(report["results"]) + "\n\nEvery row:\n\n")  # fmt: skip
+            file.write(
+                "Speedup over plain decoding in the same engine and setting (tau):\n\n"
+                + matrix_table(report["results"])
+                + "\n\nEvery row:\n\n"
+            )
         file.write(markdown_table(report["results"]) + "\n")
         if report.get("cost_model"):
             file.write("\nCost model, measured in the same run:\n\n" + cost_model_table(report["cost_model"]) + "\n")

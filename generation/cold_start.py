@@ -28,9 +28,17 @@ from .cpu import optimize_for_cpu
 from .engine import DeviceClock
 
 
-def cold_results(target_name: str, draft_folders: dict[str, str], drafting_options: DraftingOptions,
-                 prompt_ids: dict[str, list[list[int]]], methods: Sequence[str], settings: Sequence[Setting],
-                 max_new_tokens: int, eos: list[int], prepared: bool) -> list[dict]:  # fmt: skip
+def cold_results(
+    target_name: str,
+    draft_folders: dict[str, str],
+    drafting_options: DraftingOptions,
+    prompt_ids: dict[str, list[list[int]]],
+    methods: Sequence[str],
+    settings: Sequence[Setting],
+    max_new_tokens: int,
+    eos: list[int],
+    prepared: bool,
+) -> list[dict]:
     """The results rows (`timing` "cold") of every method (with its baselines, as `run_bench` measured them) in
     every setting it applies to, on each evaluation set's first batch, each a first call in a fresh process."""
     processes = sum(len(setting.methods(methods)) * len(prompt_ids) for setting in settings)
@@ -40,13 +48,21 @@ def cold_results(target_name: str, draft_folders: dict[str, str], drafting_optio
         for name, ids in prompt_ids.items():
             runs = {}
             for method in setting.methods(methods):
-                spec = {"target": target_name, "method": method, "setting": dataclasses.asdict(setting),
-                        "drafts": {DRAFT_OF[method]: draft_folders[DRAFT_OF[method]]} if method in DRAFT_OF else {},
-                        "drafting_options": {"draft_length": drafting_options.draft_length,
-                                             "prompt_lookup": drafting_options.prompt_lookup},
-                        "prompts": ids[: setting.batch_size], "max_new_tokens": max_new_tokens, "eos": eos,
-                        "cpu_optimization": prepared and method != "plain-eager",
-                        "threads": torch.get_num_threads()}  # fmt: skip
+                spec = {
+                    "target": target_name,
+                    "method": method,
+                    "setting": dataclasses.asdict(setting),
+                    "drafts": {DRAFT_OF[method]: draft_folders[DRAFT_OF[method]]} if method in DRAFT_OF else {},
+                    "drafting_options": {
+                        "draft_length": drafting_options.draft_length,
+                        "prompt_lookup": drafting_options.prompt_lookup,
+                    },
+                    "prompts": ids[: setting.batch_size],
+                    "max_new_tokens": max_new_tokens,
+                    "eos": eos,
+                    "cpu_optimization": prepared and method != "plain-eager",
+                    "threads": torch.get_num_threads(),
+                }
                 runs[method] = first_call_in_new_process(spec)
                 progress.update(1)
             if runs and setting.greedy:  # the outputs, checked as the warm ones
@@ -67,8 +83,10 @@ def first_call_in_new_process(spec: dict) -> MethodRun:
         command = [sys.executable, "-m", __name__, spec_path, result_path]
         finished = subprocess.run(command, capture_output=True, text=True, check=False)
         if finished.returncode != 0:
-            raise RuntimeError(f"the cold run of {spec['method']} ({Setting(**spec['setting']).label()}) failed with "
-                               f"status {finished.returncode}:\n{finished.stderr[-4000:]}")  # fmt: skip
+            raise RuntimeError(
+                f"the cold run of {spec['method']} ({Setting(**spec['setting']).label()}) failed with "
+                f"status {finished.returncode}:\n{finished.stderr[-4000:]}"
+            )
         with open(result_path, encoding="utf-8") as file:
             return MethodRun(**json.load(file))
 
@@ -81,8 +99,18 @@ def first_call(target, drafts: dict, spec: dict) -> MethodRun:
     start = clock()
     optimization = optimize_for_cpu(target, *drafts.values()) if spec["cpu_optimization"] else None
     run = MethodRun(identical=None)
-    rows = decode(spec["method"], target, drafts, spec["prompts"], spec["max_new_tokens"], spec["eos"], run,
-                  optimization, setting, sampling_generator(target.device, setting))  # fmt: skip
+    rows = decode(
+        spec["method"],
+        target,
+        drafts,
+        spec["prompts"],
+        spec["max_new_tokens"],
+        spec["eos"],
+        run,
+        optimization,
+        setting,
+        sampling_generator(target.device, setting),
+    )
     run.seconds = clock() - start  # the whole first call, its set-up included
     run.record_outputs(rows, None)
     return run
@@ -95,8 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.load(file)
     torch.set_num_threads(spec["threads"])  # as the parent's warm runs
     target, _ = load_target(spec["target"])
-    drafts = {name: load_draft(folder, dtype=target.dtype).to(target.device).eval()
-              for name, folder in spec["drafts"].items()}  # fmt: skip
+    drafts = {
+        name: load_draft(folder, dtype=target.dtype).to(target.device).eval() for name, folder in spec["drafts"].items()
+    }
     for draft in drafts.values():
         draft.drafting_options = DraftingOptions(**spec["drafting_options"])
     run = first_call(target, drafts, spec)

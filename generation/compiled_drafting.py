@@ -57,9 +57,10 @@ def compile_drafting(draft, mode: str | None = "reduce-overhead", dynamic_backbo
     draft.
 
     The greedy head (`greedy_head`: per-block setup and the slot loop, unrolled over the block; the fused one of
-    `fuse_head_step`, before or after this call) has static shapes, so `mode="reduce-overhead"` captures it in one CUDA graph on CUDA: one launch
-    instead of about ten per slot. The backbone's key length grows every round, so with `dynamic_backbone=True` it is
-    compiled for dynamic shapes and without CUDA graphs (which would record one graph per context length);
+    `fuse_head_step`, before or after this call) has static shapes, so `mode="reduce-overhead"` captures it in one
+    CUDA graph on CUDA: one launch instead of about ten per slot. The backbone's key length grows every round, so
+    with `dynamic_backbone=True` it is compiled for dynamic shapes and without CUDA graphs (which would record one
+    graph per context length);
     `dynamic_backbone=False` specializes it to each shape in `mode`, CUDA graphs included: for fixed-shape benchmarks
     only, as every new context length recompiles.
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafting import forget_draft_costs
+from ..cost_aware import forget_draft_costs
 
 # Row counts timed per weight shape; a count between two uses the plan of the next one up, and a count above the
 # last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows.
@@ -106,7 +106,7 @@ class CPUOptimization:
         self._forget_costs()
 
     def _forget_costs(self) -> None:
-        """The draft costs measured with these models (`drafting.learned_costs`) timed other kernels."""
+        """The draft costs measured with these models (`cost_aware.learned_costs`) timed other kernels."""
         for model in self.models:
             forget_draft_costs(model)
 
@@ -211,8 +211,9 @@ def _write_plans(path: str, plans: dict[str, dict[int, str]]) -> None:
         os.replace(file.name, path)
 
 
-def optimize_for_cpu(target: nn.Module, *drafts: nn.Module, verbose: bool = False,
-                     plan_cache: str | None = "default") -> CPUOptimization:  # fmt: skip
+def optimize_for_cpu(
+    target: nn.Module, *drafts: nn.Module, verbose: bool = False, plan_cache: str | None = "default"
+) -> CPUOptimization:
     """Make every `nn.Linear` of `target` (and of `drafts`) run each row count up to 64 with the fastest of three
     layouts of its weight, timed here once per weight shape; in place, undone by `restore()`.
 

@@ -1,6 +1,6 @@
 """`domino-spec demo`: stream a chat answer with speculative decoding, then report acceptance and speedup.
 
-    domino-spec demo [--question TEXT] [--max-new-tokens N] [--tiny]
+domino-spec demo [--question TEXT] [--max-new-tokens N] [--tiny]
 """
 
 import argparse
@@ -15,8 +15,13 @@ from ..published_format import load_draft
 from .cpu import optimize_for_cpu
 from .engine import speculative_generate
 
-SHIPPED_DRAFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "domino-smollm2-135m")
-DEFAULT_QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+SHIPPED_DRAFT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "domino-smollm2-135m"
+)
+DEFAULT_QUESTION = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
 
 
 def stage(message: str) -> None:
@@ -32,7 +37,9 @@ def run_demo(question: str = DEFAULT_QUESTION, draft_dir: str = SHIPPED_DRAFT, m
     target, tokenizer = load_target("smollm2-135m")
     stage(f"loading the draft from {draft_dir}")
     draft = load_draft(draft_dir, dtype=target.dtype).to(target.device).eval()
-    input_ids = torch.tensor([prompt_token_ids(tokenizer, [{"role": "user", "content": question}])], device=target.device)
+    input_ids = torch.tensor(
+        [prompt_token_ids(tokenizer, [{"role": "user", "content": question}])], device=target.device
+    )
     if target.device.type == "cpu":
         stage("timing three layouts of every weight for multi-token passes on this CPU (optimize_for_cpu)")
         optimize_for_cpu(target, draft)

@@ -21,13 +21,13 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..cache_domino import DominoContextCache
 from ..configuration_domino import check_input_ids
+from ..cost_aware import cost_aware_drafting
 from ..drafting import (
     DeviceClock,
     DraftingOptions,
     DraftRound,
     DraftSampling,
     DraftTree,
-    cost_aware_drafting,
     draft_round,
 )
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument, tapped_hidden_states
@@ -171,8 +171,9 @@ class _Setup:
 
     def forward(self, cache, **inputs):
         """The target's forward with its cache, returning tapped hidden states when there is a draft."""
-        return self.target(use_cache=True, output_hidden_states=self.hidden_states, **{self.cache_name: cache},
-                           **inputs)
+        return self.target(
+            use_cache=True, output_hidden_states=self.hidden_states, **{self.cache_name: cache}, **inputs
+        )
 
 
 class _Record:
@@ -206,8 +207,15 @@ class _Record:
             if is_round:
                 self.acceptance_lengths[row].append(tokens)
 
-    def round(self, num_accepted: torch.Tensor, drafted: DraftRound, valid: torch.Tensor, depth: int,
-              draft_time: float, verify_time: float) -> None:  # fmt: skip
+    def round(
+        self,
+        num_accepted: torch.Tensor,
+        drafted: DraftRound,
+        valid: torch.Tensor,
+        depth: int,
+        draft_time: float,
+        verify_time: float,
+    ) -> None:
         """A round's statistics; a tree's positions are its depths (`depth`: the deepest draft verified)."""
         num_drafts = drafted.tokens.shape[1]
         positions = torch.arange(depth, device=num_accepted.device)
@@ -281,8 +289,20 @@ def speculative_generate(
             with a cost-aware draft length (on CPU by default) each round verifies only the drafts that pay.
     """
     attention_mask = _check_inputs(target, draft, input_ids, attention_mask, max_new_tokens, streamer)
-    setup, pad_token_id = _make_setup(target, draft, input_ids.device, max_new_tokens, do_sample, temperature, top_k,
-                                      top_p, eos_token_id, pad_token_id, generator, options)
+    setup, pad_token_id = _make_setup(
+        target,
+        draft,
+        input_ids.device,
+        max_new_tokens,
+        do_sample,
+        temperature,
+        top_k,
+        top_p,
+        eos_token_id,
+        pad_token_id,
+        generator,
+        options,
+    )
     clock = DeviceClock(input_ids.device)
     start = clock()
     record = _Record(input_ids, attention_mask, setup, pad_token_id)
@@ -338,8 +358,20 @@ def speculative_generate(
     return record.output(input_ids, prefill_time, clock() - start)
 
 
-def _make_setup(target, draft, device, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-                pad_token_id, generator, options) -> tuple[_Setup, int]:
+def _make_setup(
+    target,
+    draft,
+    device,
+    max_new_tokens,
+    do_sample,
+    temperature,
+    top_k,
+    top_p,
+    eos_token_id,
+    pad_token_id,
+    generator,
+    options,
+) -> tuple[_Setup, int]:
     """Resolve defaults from the target's generation config and the draft's options; returns the setup and the pad
     token."""
     config = target.generation_config
@@ -371,9 +403,11 @@ def _new_target_cache(target: PreTrainedModel, batch_size: int, num_drafts: int,
     cache = new_dynamic_cache(target.config)
     for layer in cache.layers if batch_size > 1 else []:
         if num_drafts and not _ignores_holes(layer, max_slots):
-            problem = ("would give wrong tokens: a row's rejected drafts stay in them as masked holes, which only full "
-                       "attention ignores (a sliding window counts them as tokens unless it is wider than prompt + "
-                       f"max_new_tokens x (drafts + 1) = {max_slots} slots; a recurrent state has absorbed them)")
+            problem = (
+                "would give wrong tokens: a row's rejected drafts stay in them as masked holes, which only full "
+                "attention ignores (a sliding window counts them as tokens unless it is wider than prompt + "
+                f"max_new_tokens x (drafts + 1) = {max_slots} slots; a recurrent state has absorbed them)"
+            )
         elif not hasattr(layer, "batch_select_indices"):
             problem = "cannot drop the rows that finish early"
         else:
@@ -420,8 +454,13 @@ def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, s
     """Fill the target cache with the prompts and pick the first token as plain decoding would; the prompts'
     features wait in the returned state for the first draft."""
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as transformers
-    outputs = setup.forward(cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            **({"logits_to_keep": 1} if setup.takes_logits_to_keep else {}))
+    outputs = setup.forward(
+        cache,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        **({"logits_to_keep": 1} if setup.takes_logits_to_keep else {}),
+    )
     logits = process_logits(setup.warpers, outputs.logits[:, -1])  # [B, V]
     first = sample(logits.softmax(-1), setup.generator) if setup.do_sample else logits.argmax(-1)
     batch_size = input_ids.shape[0]
@@ -442,8 +481,9 @@ def _prefill(setup: _Setup, input_ids, attention_mask, cache, record: _Record, s
     return rows
 
 
-def _draft(setup: _Setup, rows: _Rows, record: _Record, draft_cache: DominoContextCache, limit: int,
-           drafting) -> DraftRound:  # fmt: skip
+def _draft(
+    setup: _Setup, rows: _Rows, record: _Record, draft_cache: DominoContextCache, limit: int, drafting
+) -> DraftRound:
     """The round's drafts (`drafting.draft_round`): at most `limit`, none for plain decoding. The features of the
     slots verified last round enter the draft cache first, so both caches stay aligned."""
     if setup.draft is None:
@@ -496,8 +536,9 @@ def _accept(setup: _Setup, drafted: DraftRound, target_logits):
     else:
         # q: the distributions the drafts were drawn from (none in plain decoding)
         draft_probs = target_logits[:, :0] if drafted.logits is None else drafted.logits.float().softmax(-1)
-        num_accepted, next_token = rejection_sample(drafted.tokens, draft_probs, target_logits.softmax(-1),
-                                                    setup.generator)  # fmt: skip
+        num_accepted, next_token = rejection_sample(
+            drafted.tokens, draft_probs, target_logits.softmax(-1), setup.generator
+        )
     valid = torch.arange(drafted.tokens.shape[1] + 1, device=num_accepted.device) <= num_accepted[:, None]
     return drafted.tokens, num_accepted, next_token, valid
 

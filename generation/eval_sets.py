@@ -37,10 +37,17 @@ def humaneval_long_messages() -> list[dict]:
         if end == start:  # the last problem alone: no context left for it
             break
         request = problems[end]
-        content = (f"Here are solved Python exercises:\n\n{context}Complete the following Python function in the "
-                   f"same style.\n\n```python\n{request['prompt']}```")  # fmt: skip
-        items.append({"id": f"long-{request['task_id']}", "messages": [{"role": "user", "content": content}],
-                      "reference": request})  # fmt: skip
+        content = (
+            f"Here are solved Python exercises:\n\n{context}Complete the following Python function in the "
+            f"same style.\n\n```python\n{request['prompt']}```"
+        )
+        items.append(
+            {
+                "id": f"long-{request['task_id']}",
+                "messages": [{"role": "user", "content": content}],
+                "reference": request,
+            }
+        )
         start = end + 1
     return items
 
@@ -49,7 +56,11 @@ def eval_prompts(name: str, limit: int | None = None) -> list[dict]:
     """`[{"id", "messages", "reference"}]` of one evaluation set; `reference` is what quality metrics compare to."""
     if name == "mt-bench":
         items = [
-            {"id": f"mt-bench-{q['question_id']}", "messages": [{"role": "user", "content": q["turns"][0]}], "reference": None}
+            {
+                "id": f"mt-bench-{q['question_id']}",
+                "messages": [{"role": "user", "content": q["turns"][0]}],
+                "reference": None,
+            }
             for q in assets.mtbench_questions()
         ]
     elif name == "humaneval":

@@ -213,11 +213,28 @@ def head_step(
     else:
         kernel, launch = _tuned_head_step_kernel, {}
     kernel[grid](
-        projected, state, next_projected, next_state, tokens, pool_logits,
-        hidden_part, pool_base, pool_up, pool_ids, pool_gates, state_weight,
-        slot, num_slots, state_size, rank, pool_size,
-        PICK=pick, STEP=step, BLOCK_K=triton.next_power_of_2(pool_size), **launch,
-    )  # fmt: skip
+        projected,
+        state,
+        next_projected,
+        next_state,
+        tokens,
+        pool_logits,
+        hidden_part,
+        pool_base,
+        pool_up,
+        pool_ids,
+        pool_gates,
+        state_weight,
+        slot,
+        num_slots,
+        state_size,
+        rank,
+        pool_size,
+        PICK=pick,
+        STEP=step,
+        BLOCK_K=triton.next_power_of_2(pool_size),
+        **launch,
+    )
     return next_projected, next_state
 
 
@@ -239,9 +256,20 @@ def fused_pooled_slot_loop(
     projected = F.linear(state, weights.state_weight)  # [M, 3G + R]: slot 0's, the only matmul outside the kernel
     for slot in range(num_slots):
         projected, state = head_step(
-            projected, state, slot, slot >= first_corrected, slot + 1 < num_slots, indices, pool_logits,
-            block.hidden_part, block.pool_base, block.pool_up, pool_ids, pool_gates, weights.state_weight,
-        )  # fmt: skip
+            projected,
+            state,
+            slot,
+            slot >= first_corrected,
+            slot + 1 < num_slots,
+            indices,
+            pool_logits,
+            block.hidden_part,
+            block.pool_base,
+            block.pool_up,
+            pool_ids,
+            pool_gates,
+            weights.state_weight,
+        )
     logits, confidence = _pooled_outputs(base_logits, pool_logits[:, first_corrected:], pool_ids, first_corrected)
     return token_ids(indices, weights.vocab), logits, confidence
 
@@ -282,5 +310,14 @@ def fuse_head_step(draft, fused: bool = True):
     return draft
 
 
-__all__ = ["LAUNCH_CONFIGS", "LaunchConfig", "fuse_head_step", "fused_greedy_head", "fused_pooled_slot_loop",
-           "head_step", "kernel_runs_on", "triton_available", "tuned_launch_configs"]  # fmt: skip
+__all__ = [
+    "LAUNCH_CONFIGS",
+    "LaunchConfig",
+    "fuse_head_step",
+    "fused_greedy_head",
+    "fused_pooled_slot_loop",
+    "head_step",
+    "kernel_runs_on",
+    "triton_available",
+    "tuned_launch_configs",
+]

@@ -68,8 +68,12 @@ def grow_tree(draft, block: DominoBlock, embed_tokens: torch.nn.Module, num_node
         new_indices, new_probs, projected = offer(state, chosen_depth, path_prob)
         states.append(state)
         projections.append(projected)
-        offered = (new_indices, new_probs, torch.full_like(new_indices, len(states) - 1),
-                   (chosen_depth + 1)[:, None].expand_as(new_indices))  # fmt: skip
+        offered = (
+            new_indices,
+            new_probs,
+            torch.full_like(new_indices, len(states) - 1),
+            (chosen_depth + 1)[:, None].expand_as(new_indices),
+        )
         candidates = [torch.cat([old, new], 1) for old, new in zip(candidates, offered)]
         tokens.append(token_ids(chosen_index, draft.draft_vocab))
         parents.append(chosen_parent)
@@ -141,5 +145,12 @@ def left_the_first_branch(parents: torch.Tensor, valid: torch.Tensor) -> torch.T
     return (siblings_before.any(-1) & valid[:, 1:]).any(-1)
 
 
-__all__ = ["CHILDREN_PER_NODE", "accept_tree", "grow_tree", "left_the_first_branch", "tree_ancestry",
-           "tree_attention_mask", "tree_depths"]
+__all__ = [
+    "CHILDREN_PER_NODE",
+    "accept_tree",
+    "grow_tree",
+    "left_the_first_branch",
+    "tree_ancestry",
+    "tree_attention_mask",
+    "tree_depths",
+]

@@ -31,8 +31,18 @@ class OracleDraft(DominoDraftModel):
         self.sequences = [list(sequence) for sequence in sequences]
 
     @torch.no_grad()
-    def draft_block(self, anchor_ids, anchor_position_ids, past_key_values: DominoContextCache, embed_tokens, lm_head,
-                    target_hidden=None, context_position_ids=None, context_mask=None, **kwargs) -> DominoDraft:
+    def draft_block(
+        self,
+        anchor_ids,
+        anchor_position_ids,
+        past_key_values: DominoContextCache,
+        embed_tokens,
+        lm_head,
+        target_hidden=None,
+        context_position_ids=None,
+        context_mask=None,
+        **kwargs,
+    ) -> DominoDraft:
         if target_hidden is not None:
             self.extend_context(past_key_values, target_hidden, context_position_ids, context_mask)
         assert past_key_values.get_seq_length() > 0, "the oracle also needs the prompt's features first"

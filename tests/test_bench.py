@@ -4,8 +4,6 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target, tiny_tokenizer
-from speculative_helpers import OracleDraft
 
 from domino_spec import DraftingOptions
 from domino_spec.draft_building import from_target
@@ -14,6 +12,9 @@ from domino_spec.generation.bench import METHODS, NATIVE_METHODS, MethodRun, run
 from domino_spec.generation.bench_report import write_results
 from domino_spec.generation.quality import score_report
 from domino_spec.targets import prompt_token_ids
+
+from conftest import tiny_draft, tiny_target, tiny_tokenizer
+from speculative_helpers import OracleDraft
 
 
 def test_bench_runs_every_method_and_writes_results(tmp_path):
@@ -24,7 +25,10 @@ def test_bench_runs_every_method_and_writes_results(tmp_path):
         draft.drafting_options = DraftingOptions(draft_length="full")
     prompts = {
         "set-a": [{"id": "a0", "messages": [{"role": "user", "content": "hello there"}], "reference": None}],
-        "set-b": [{"id": f"b{i}", "messages": [{"role": "user", "content": f"what is {i} + {i}?"}], "reference": str(2 * i)} for i in range(2)],
+        "set-b": [
+            {"id": f"b{i}", "messages": [{"role": "user", "content": f"what is {i} + {i}?"}], "reference": str(2 * i)}
+            for i in range(2)
+        ],
     }
     report = run_bench(target, tiny_tokenizer(), drafts, prompts, METHODS, max_new_tokens=12)
     rows = {(row["eval_set"], row["method"]): row for row in report["results"]}
@@ -36,7 +40,10 @@ def test_bench_runs_every_method_and_writes_results(tmp_path):
     for plain in ("plain", "plain-native"):
         assert rows[("set-b", plain)]["mean_acceptance_length"] == 1.0 and rows[("set-b", plain)]["speedup"] == 1.0
     for method in METHODS:  # each engine against its own plain decoding
-        row, baseline = rows[("set-b", method)], rows[("set-b", "plain-native" if method in NATIVE_METHODS else "plain")]
+        row, baseline = (
+            rows[("set-b", method)],
+            rows[("set-b", "plain-native" if method in NATIVE_METHODS else "plain")],
+        )
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / baseline["tokens_per_s"], abs=1e-3), method
     for row in rows.values():  # the raw counts tau is computed from
         assert row["mean_acceptance_length"] == round(row["verified_tokens"] / row["verify_passes"], 3)
@@ -57,11 +64,15 @@ def test_bench_results_show_the_quality_scores_of_bench_quality(tmp_path):
     target = tiny_target("llama")
     target.generation_config.eos_token_id = 1
     prompts = {
-        "gsm-symbolic": [{"id": f"g{i}", "messages": [{"role": "user", "content": f"what is {i} + {i}?"}],
-                          "reference": str(2 * i)} for i in range(2)],  # fmt: skip
+        "gsm-symbolic": [
+            {"id": f"g{i}", "messages": [{"role": "user", "content": f"what is {i} + {i}?"}], "reference": str(2 * i)}
+            for i in range(2)
+        ],
         "mt-bench": [{"id": "m0", "messages": [{"role": "user", "content": "hello there"}], "reference": None}],
     }
-    report = run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "plain-native", "domino"], 6)
+    report = run_bench(
+        target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "plain-native", "domino"], 6
+    )
     report["quality"] = score_report(report)
     markdown = open(write_results(report, str(tmp_path))["results.md"]).read()
     assert "| eval set | method | metric | score | outputs |" in markdown
@@ -79,14 +90,16 @@ def test_bench_compares_with_plain_in_any_method_order_and_pools_the_engines_pos
     tokenizer = tiny_tokenizer()
     messages = [[{"role": "user", "content": text}] for text in ("hello there", "what is 3 + 4?")]
     prompts = {"set": [{"id": str(i), "messages": m, "reference": None} for i, m in enumerate(messages)]}
-    oracle = from_target(target, draft_class=OracleDraft, num_hidden_layers=1, block_size=4,
-                         target_layer_ids=[1, 3]).double()
+    oracle = from_target(
+        target, draft_class=OracleDraft, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3]
+    ).double()
     prompt_ids = [torch.tensor([prompt_token_ids(tokenizer, m, None)]) for m in messages]
     oracle.set_sequences([target.generate(ids, max_new_tokens=40, do_sample=False)[0].tolist() for ids in prompt_ids])
     oracle.drafting_options = DraftingOptions(draft_length="full")  # every round drafts, whatever the machine's costs
 
-    report = run_bench(target, tokenizer, {"domino": oracle.eval()}, prompts, ["domino", "plain", "plain-native"],
-                       max_new_tokens=9)
+    report = run_bench(
+        target, tokenizer, {"domino": oracle.eval()}, prompts, ["domino", "plain", "plain-native"], max_new_tokens=9
+    )
     domino = next(row for row in report["results"] if row["method"] == "domino")
     assert domino["identical"] == domino["prompts"] == 2  # plain is the reference though listed last
 
@@ -122,5 +135,6 @@ def test_bench_adds_the_baselines_a_method_needs_and_refuses_a_method_without_it
     assert with_baselines(["prompt-lookup"]) == ["plain", "prompt-lookup"]
     assert with_baselines(["plain-native", "dflash", "plain"]) == ["plain-native", "dflash", "plain"]
     with pytest.raises(ValueError, match=r"\['dflash'\] need a draft"):
-        run_bench(target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "plain-native", "dflash"], 4)
-
+        run_bench(
+            target, tiny_tokenizer(), {"domino": tiny_draft(target)}, prompts, ["plain", "plain-native", "dflash"], 4
+        )

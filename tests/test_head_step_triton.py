@@ -8,12 +8,13 @@ import sys
 
 import pytest
 import torch
-from speculative_helpers import draft_from_scratch
 from test_head_loop import _target_and_draft
 
 from domino_spec import DraftingOptions
 from domino_spec.generation import compile_drafting, fuse_head_step, speculative_generate
 from domino_spec.generation import fused_head_step as head_step_triton
+
+from speculative_helpers import draft_from_scratch
 
 pytest.importorskip("triton", reason="the fused head step is a Triton kernel")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,8 +171,12 @@ def test_torch_compile_captures_one_kernel_per_slot_that_writes_only_its_outputs
     environment["TRITON_DEFAULT_FP_FUSION"] = "1"
     result = subprocess.run(
         [sys.executable, "-c", CAPTURE_FOR_SM90],
-        env=environment, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=environment,
+        cwd=os.path.dirname(__file__),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     written_per_slot = json.loads(result.stdout.splitlines()[-1])
     first_corrected, num_slots = 1, 6

@@ -2,13 +2,14 @@
 
 import json
 
-from conftest import tiny_draft, tiny_target
 from huggingface_hub import ModelCard
 
-from domino_spec.training import export, model_card
 from domino_spec.cli import main as cli_main
+from domino_spec.training import export, model_card
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
+
+from conftest import tiny_draft, tiny_target
 
 BENCH = {
     "results": [

@@ -19,19 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from domino_spec import DominoConfig, DominoContextCache, DominoDraftModel
-from domino_spec import assets
+from domino_spec import DominoConfig, DominoContextCache, DominoDraftModel, assets
 from domino_spec.assets import record_hub_id
 from domino_spec.configuration_domino import default_target_layer_ids
 from domino_spec.draft_building import from_target
 from domino_spec.published_format import load_draft
 from domino_spec.transformers_compat import tapped_hidden_states
+
+from conftest import tiny_draft, tiny_target
 
 SEQUENCE_LENGTH = 24
 ANCHOR = 15  # a block anchor with context on both sides, and room for the whole block before the end
@@ -173,7 +173,7 @@ def test_head_forward_equals_step(family, dtype):
             base_logits = setup.draft.base_logits(draft_hidden, setup.lm_head)  # [1, S, V]
             truth = setup.input_ids[:, anchor + 1 :]
 
-            def choose_truth(slot, slot_logits):
+            def choose_truth(slot, slot_logits, truth=truth):
                 return truth[:, slot], slot_logits
 
             tokens, logits, _ = setup.draft.head.draft(
@@ -499,8 +499,11 @@ def test_check_target_rejects_a_draft_on_another_device():
         target.generate(torch.randint(0, 100, (1, 6)), assistant_model=draft, max_new_tokens=4, do_sample=False)
     assert not target.config.tie_word_embeddings  # an LM head of its own, placed apart by a device_map
     target.lm_head.to("meta")
-    with pytest.raises(ValueError, match=r"the draft is on cpu, the target's embedding layer is on cpu, the target's "
-                                         r"LM head is on meta"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"the draft is on cpu, the target's embedding layer is on cpu, the target's "
+        r"LM head is on meta",
+    ):
         tiny_draft(target).check_target(target)
 
 
@@ -607,7 +610,10 @@ SMALL_CONFIG = dict(
         (dict(use_domino_head="false"), r"DominoConfig.use_domino_head='false' is invalid: expected a boolean"),
         (dict(draft_vocab_size=101), r"DominoConfig.draft_vocab_size=101 is invalid: .* \[1, 100\]"),
         (dict(first_corrected_slot=20), r"DominoConfig.first_corrected_slot=20 is invalid: .* \[0, 16\]"),
-        (dict(num_target_layers=2, num_hidden_layers=2), r"2 layers is too shallow .* 2-layer draft.*pass target_layer"),
+        (
+            dict(num_target_layers=2, num_hidden_layers=2),
+            r"2 layers is too shallow .* 2-layer draft.*pass target_layer",
+        ),
         (dict(mask_token_id=100), r"DominoConfig.mask_token_id=100 is invalid: expected a token id in \[0, 99\]"),
         (dict(num_key_value_heads=3), r"DominoConfig.num_key_value_heads=3 is invalid: expected a divisor of"),
         (dict(target_hidden_size=32), r"DominoConfig.target_hidden_size=32 is invalid: expected hidden_size=64"),

@@ -5,12 +5,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from domino_spec.generation import speculative_generate
 from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
+
+from conftest import tiny_draft, tiny_target
 
 
 def lora_target(seed: int = 3) -> PeftModel:
@@ -99,6 +100,6 @@ def test_training_reads_lora_features_and_leaves_target_and_adapter_unchanged(tm
     trainer.train()
     for name, tensor in target.state_dict().items():
         assert torch.equal(tensor, weights_before[name]), f"target or adapter weight {name} changed"
-    assert any(
-        not torch.equal(t, draft_before[n]) for n, t in trainer.model.state_dict().items()
-    ), "draft did not train"
+    assert any(not torch.equal(t, draft_before[n]) for n, t in trainer.model.state_dict().items()), (
+        "draft did not train"
+    )

@@ -251,8 +251,15 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, target):
     folder loads with the package's `load_draft`; the model files alone refuse its published config, naming that."""
     draft = tiny_draft(target)
     draft.save_pretrained(tmp_path / "ours")
-    assert {"configuration_domino.py", "modeling_domino.py", "head_domino.py", "generation_domino.py", "drafting.py",
-            "cache_domino.py", "transformers_compat.py"} <= set(os.listdir(tmp_path / "ours"))
+    assert {
+        "configuration_domino.py",
+        "modeling_domino.py",
+        "head_domino.py",
+        "generation_domino.py",
+        "drafting.py",
+        "cache_domino.py",
+        "transformers_compat.py",
+    } <= set(os.listdir(tmp_path / "ours"))
     assert not {"published_format.py", "head_step_triton.py"} & set(os.listdir(tmp_path / "ours"))
     export.export_sglang(str(tmp_path / "ours"), str(tmp_path / "sglang"))
     script = (

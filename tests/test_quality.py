@@ -4,6 +4,7 @@ import socket
 import sys
 
 import pytest
+
 from domino_spec import cli
 from domino_spec.generation import bench_command
 from domino_spec.generation.quality import (
@@ -43,8 +44,7 @@ COMMON_IMPORTS_BODY = (
     "    import bisect, collections, datetime, decimal, fractions, functools, hashlib, heapq, itertools, json, math\n"
     "    import random, re, statistics, string, tempfile, typing\n"
     "    with tempfile.TemporaryFile() as scratch:  # a file in the scratch folder\n"
-    "        scratch.write(hashlib.sha256(re.sub('a', 'b', 'abc').encode()).digest())\n"
-    + CORRECT_BODY
+    "        scratch.write(hashlib.sha256(re.sub('a', 'b', 'abc').encode()).digest())\n" + CORRECT_BODY
 )
 # The names of this process's network interfaces (as Python source, to run in the sandbox too).
 INTERFACES = "{line.split(':')[0].strip() for line in open('/proc/self/net/dev').read().splitlines()[2:]}"
@@ -134,8 +134,10 @@ def test_code_execution_needs_an_explicit_opt_in(monkeypatch):
         humaneval_pass_at_1([CORRECT_BODY], [PROBLEM])
     with pytest.raises(ValueError, match=refusal):
         score_outputs("humaneval", [CORRECT_BODY], [PROBLEM])
-    report = {"texts": {"gsm-symbolic": {"plain": ["= 4"]}, "humaneval": {"plain": [CORRECT_BODY]}},
-              "references": {"gsm-symbolic": ["4"], "humaneval": [PROBLEM]}}  # fmt: skip
+    report = {
+        "texts": {"gsm-symbolic": {"plain": ["= 4"]}, "humaneval": {"plain": [CORRECT_BODY]}},
+        "references": {"gsm-symbolic": ["4"], "humaneval": [PROBLEM]},
+    }
     with pytest.raises(ValueError, match=refusal):
         score_report(report)
     with pytest.raises(ValueError, match="allow_code_execution=True"):  # the metric itself, used through evaluate

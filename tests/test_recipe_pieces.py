@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from conftest import load_benchmark
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
@@ -46,8 +47,13 @@ def write_prompts(path: Path, count: int) -> Path:
 
 
 def regenerate_args(tmp_path: Path, pieces: int) -> argparse.Namespace:
-    return argparse.Namespace(prompts=str(tmp_path / "prompts.jsonl"), pieces=pieces, work=str(tmp_path / "work"),
-                              commit=False, data_dir=str(tmp_path / "data"))  # fmt: skip
+    return argparse.Namespace(
+        prompts=str(tmp_path / "prompts.jsonl"),
+        pieces=pieces,
+        work=str(tmp_path / "work"),
+        commit=False,
+        data_dir=str(tmp_path / "data"),
+    )
 
 
 def test_committed_pieces_are_skipped_and_the_training_data_is_all_of_them(pieces, tmp_path):
@@ -87,19 +93,40 @@ def test_a_piece_of_another_target_or_of_other_prompts_is_an_error(pieces, tmp_p
 def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_curve(tmp_path):
     learning_curve = load_benchmark("learning_curve")
     previous = tmp_path / "previous.json"
-    points = {f"checkpoint-{step}": {"step": step, "examples": 2 * step, "cpu_hours": step / 1000, "tau": 1.4}
-              for step in (500, 1000)}  # fmt: skip
+    points = {
+        f"checkpoint-{step}": {"step": step, "examples": 2 * step, "cpu_hours": step / 1000, "tau": 1.4}
+        for step in (500, 1000)
+    }
     scoring = {"eval_data": "h.jsonl", "tau_prompts": 3, "tau_tokens": 128}
     previous.write_text(json.dumps({"curves": {"domino": points, "dflash": points}, "recipe": scoring}))
-    argv = ["--config", "c.yaml", "--data", "d.jsonl", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5",
-            "--output", str(tmp_path / "curves.json"), "--continues", str(previous),
-            "--variant", "domino=--init_from checkpoints/draft --warmup_steps 10",
-            "--variant", "dflash=--x 1"]  # fmt: skip
+    argv = [
+        "--config",
+        "c.yaml",
+        "--data",
+        "d.jsonl",
+        "--eval-data",
+        "h.jsonl",
+        "--steps",
+        "10",
+        "--eval-every",
+        "5",
+        "--output",
+        str(tmp_path / "curves.json"),
+        "--continues",
+        str(previous),
+        "--variant",
+        "domino=--init_from checkpoints/draft --warmup_steps 10",
+        "--variant",
+        "dflash=--x 1",
+    ]
     args = learning_curve.parse_args(argv)
     starts = learning_curve.starts(args)
     assert list(starts) == ["domino"] and starts["domino"]["step"] == 1000  # dflash trains from scratch
-    assert learning_curve.counted_from(starts["domino"], 5, 10, 0.25) == {"step": 1005, "examples": 2010,
-                                                                            "cpu_hours": 1.25}  # fmt: skip
+    assert learning_curve.counted_from(starts["domino"], 5, 10, 0.25) == {
+        "step": 1005,
+        "examples": 2010,
+        "cpu_hours": 1.25,
+    }
     assert learning_curve.counted_from(None, 5, 10, 0.25) == {"step": 5, "examples": 10, "cpu_hours": 0.25}
     results = {"curves": {"domino": {"checkpoint-5": {"step": 1005}}}, "starts": starts}
     assert [point["step"] for point in learning_curve.curve(results, "domino")] == [1000, 1005]

@@ -6,24 +6,23 @@ import io
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target, word_tokenizer
-from speculative_helpers import make_peaked, random_prompts
-
-from domino_spec.generation import left_pad
 from transformers import GenerationMixin, PreTrainedTokenizerFast
 from transformers.cache_utils import DynamicCache, StaticLayer
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from domino_spec.generation import speculative_generate
+from domino_spec.generation import left_pad, speculative_generate
 from domino_spec.generation.compiled_drafting import compile_drafting, is_drafting_compiled
 from domino_spec.generation_domino import StopStringDraftMask, install_generate_hook
 
+from conftest import tiny_draft, tiny_target, word_tokenizer
+from speculative_helpers import make_peaked, random_prompts
 
 # transformers 5.17 to 5.24 validate an assistant's vocabulary before building its candidate generator: hooked too.
-VALIDATES_ASSISTANTS = "generation_mode_kwargs" in inspect.signature(
-    getattr(GenerationMixin, "_validate_generation_mode", lambda: None)
-).parameters
+VALIDATES_ASSISTANTS = (
+    "generation_mode_kwargs"
+    in inspect.signature(getattr(GenerationMixin, "_validate_generation_mode", lambda: None)).parameters
+)
 HOOKED_METHODS = ["_get_candidate_generator"] + (["_validate_generation_mode"] if VALIDATES_ASSISTANTS else [])
 
 
@@ -99,8 +98,9 @@ def test_stop_string_completed_by_the_first_draft_while_sampling(tokenizer):
     stopped = 0
     for seed in range(12):
         torch.manual_seed(seed)
-        output = target.generate(prompt, max_new_tokens=12, do_sample=True, stop_strings=["w017"], tokenizer=tokenizer,
-                                 assistant_model=draft)
+        output = target.generate(
+            prompt, max_new_tokens=12, do_sample=True, stop_strings=["w017"], tokenizer=tokenizer, assistant_model=draft
+        )
         generated = output[0, prompt.shape[1] :].tolist()
         assert 17 not in generated[:-1], generated
         stopped += generated[-1] == 17
@@ -125,11 +125,19 @@ def test_stop_string_draft_mask_masks_exactly_the_completing_tokens(tokenizer):
 def test_streamer_and_return_dict(models):
     target, draft = models
     prompt = random_prompts(1, seed=5)[0]
-    reference = target.generate(prompt, max_new_tokens=15, do_sample=False, return_dict_in_generate=True,
-                                output_scores=True)
+    reference = target.generate(
+        prompt, max_new_tokens=15, do_sample=False, return_dict_in_generate=True, output_scores=True
+    )
     streamer = CollectingStreamer()
-    output = target.generate(prompt, max_new_tokens=15, do_sample=False, assistant_model=draft, streamer=streamer,
-                             return_dict_in_generate=True, output_scores=True)
+    output = target.generate(
+        prompt,
+        max_new_tokens=15,
+        do_sample=False,
+        assistant_model=draft,
+        streamer=streamer,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     assert torch.equal(output.sequences, reference.sequences)
     assert len(output.scores) == len(reference.scores) == 15
     for got, expected in zip(output.scores, reference.scores):
@@ -232,8 +240,9 @@ def test_hf_path_errors(models):
         target.generate(prompt, max_new_tokens=5, assistant_model=draft, **{cache_name: prefix_cache})
     embeds = target.get_input_embeddings()(prompt)
     with pytest.raises(ValueError, match="needs the prompt as `input_ids` \\(with or without `inputs_embeds`\\)"):
-        target.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
-                        assistant_model=draft)  # fmt: skip
+        target.generate(
+            inputs_embeds=embeds, attention_mask=torch.ones_like(prompt), max_new_tokens=5, assistant_model=draft
+        )
 
 
 @pytest.mark.parametrize("token", [-1, 128])

@@ -12,17 +12,21 @@ decide the comparison, and in float32, where none occurs on these prompts (a flo
 passes would point at a near tie, not at a bug).
 """
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
-from speculative_helpers import OracleDraft, draft_from_scratch, random_prompts
 from transformers import AutoModel
 
 from domino_spec import DraftingOptions
 from domino_spec.draft_building import from_target
 from domino_spec.generation import left_pad, speculative_generate
+
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import OracleDraft, draft_from_scratch, random_prompts
 
 NUM_PROMPTS = 50
 
@@ -74,8 +78,15 @@ def setup(request, tmp_path_factory) -> Setup:
     assert loaded_draft.dtype == dtype
     assert type(loaded_draft).__module__.startswith("transformers_modules"), "expected the remote-code class"
     torch.manual_seed(2)
-    oracle = from_target(target, draft_class=OracleDraft, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
-                         gru_hidden_dim=8, residual_rank=8).eval()
+    oracle = from_target(
+        target,
+        draft_class=OracleDraft,
+        num_hidden_layers=1,
+        block_size=4,
+        target_layer_ids=[1, 3],
+        gru_hidden_dim=8,
+        residual_rank=8,
+    ).eval()
     oracle.drafting_options = DraftingOptions(draft_length="full")  # full blocks, whatever verifying them costs
     cases = _build_cases(target, draft.config.num_draft_tokens, seed=100 + len(family))
     assert sum(case.eos_token_id is not None for case in cases) >= NUM_PROMPTS // 3
@@ -97,8 +108,13 @@ def _assert_equal(case: Case, output: torch.Tensor, label: str) -> None:
 
 def test_hf_path_random_draft(setup):
     for case in setup.cases:
-        output = setup.target.generate(case.prompt, max_new_tokens=case.max_new_tokens, eos_token_id=case.eos_token_id,
-                                       do_sample=False, assistant_model=setup.loaded_draft)
+        output = setup.target.generate(
+            case.prompt,
+            max_new_tokens=case.max_new_tokens,
+            eos_token_id=case.eos_token_id,
+            do_sample=False,
+            assistant_model=setup.loaded_draft,
+        )
         _assert_equal(case, output, f"{setup.family} HF path, random draft")
 
 
@@ -108,8 +124,13 @@ def test_hf_path_oracle_draft_accepts_full_blocks(setup):
         setup.oracle.set_sequences([case.greedy_sequence])
         calls, handle = _count_target_forwards(setup.target)
         try:
-            output = setup.target.generate(case.prompt, max_new_tokens=case.max_new_tokens, do_sample=False,
-                                           eos_token_id=case.eos_token_id, assistant_model=setup.oracle)
+            output = setup.target.generate(
+                case.prompt,
+                max_new_tokens=case.max_new_tokens,
+                do_sample=False,
+                eos_token_id=case.eos_token_id,
+                assistant_model=setup.oracle,
+            )
         finally:
             handle.remove()
         _assert_equal(case, output, f"{setup.family} HF path, oracle draft")
@@ -120,8 +141,9 @@ def test_hf_path_oracle_draft_accepts_full_blocks(setup):
 
 def test_native_random_draft(setup):
     for case in setup.cases:
-        output = speculative_generate(setup.target, setup.draft, case.prompt, max_new_tokens=case.max_new_tokens,
-                                      eos_token_id=case.eos_token_id)
+        output = speculative_generate(
+            setup.target, setup.draft, case.prompt, max_new_tokens=case.max_new_tokens, eos_token_id=case.eos_token_id
+        )
         _assert_equal(case, output.sequences, f"{setup.family} native, random draft")
         num_new = output.sequences.shape[1] - case.prompt.shape[1]
         assert sum(output.acceptance_lengths[0]) + 1 == output.num_new_tokens[0] == num_new
@@ -131,8 +153,9 @@ def test_native_oracle_draft_accepts_full_blocks(setup):
     block = setup.oracle.config.num_draft_tokens + 1
     for case in setup.cases:
         setup.oracle.set_sequences([case.greedy_sequence])
-        output = speculative_generate(setup.target, setup.oracle, case.prompt, max_new_tokens=case.max_new_tokens,
-                                      eos_token_id=case.eos_token_id)
+        output = speculative_generate(
+            setup.target, setup.oracle, case.prompt, max_new_tokens=case.max_new_tokens, eos_token_id=case.eos_token_id
+        )
         _assert_equal(case, output.sequences, f"{setup.family} native, oracle draft")
         lengths = output.acceptance_lengths[0]
         # Every round commits a full block, but the last one may be cut by EOS or the length limit.
@@ -141,8 +164,9 @@ def test_native_oracle_draft_accepts_full_blocks(setup):
 
 def test_native_plain_decoding(setup):
     for case in setup.cases[:10]:
-        output = speculative_generate(setup.target, None, case.prompt, max_new_tokens=case.max_new_tokens,
-                                      eos_token_id=case.eos_token_id)
+        output = speculative_generate(
+            setup.target, None, case.prompt, max_new_tokens=case.max_new_tokens, eos_token_id=case.eos_token_id
+        )
         _assert_equal(case, output.sequences, f"{setup.family} native plain decoding")
         assert set(output.acceptance_lengths[0]) <= {1}
 
@@ -194,14 +218,23 @@ def test_native_batch_rows_equal_prompts_decoded_alone(setup, which):
     cases = setup.cases[:12]
     max_new_tokens = 14
     eos_token_id = cases[0].greedy_sequence[cases[0].prompt.shape[1] + 3]  # some rows stop early on it
-    alone = [setup.target.generate(case.prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                   do_sample=False) for case in cases]
+    alone = [
+        setup.target.generate(case.prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=False)
+        for case in cases
+    ]
     draft = setup.draft if which == "random" else setup.oracle
     setup.oracle.set_sequences([case.greedy_sequence for case in cases])
     pad_token_id = 127
     input_ids, attention_mask = left_pad([case.prompt for case in cases], pad_token_id)
-    output = speculative_generate(setup.target, draft, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    output = speculative_generate(
+        setup.target,
+        draft,
+        input_ids,
+        attention_mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
     width = input_ids.shape[1]
     finish_lengths = set()
     for row, (case, reference) in enumerate(zip(cases, alone)):
@@ -214,7 +247,6 @@ def test_native_batch_rows_equal_prompts_decoded_alone(setup, which):
     assert len(finish_lengths) > 1, "the batch should have rows finishing at different times"
     if which == "random":
         assert len({tuple(lengths) for lengths in output.acceptance_lengths}) > 1
-
 
 
 SLIDING_WINDOW = 6  # prompts and generations below run well past it
@@ -232,8 +264,15 @@ def test_native_sliding_window_target_one_prompt_at_a_time(family):
     """Crops by a negative count roll a sliding window back past its edge; the window is trimmed after every
     round (plain decoding included), and the tokens stay the target's own."""
     target = _sliding_window_target(family)
-    oracle = from_target(target, draft_class=OracleDraft, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3],
-                         gru_hidden_dim=8, residual_rank=8).eval()
+    oracle = from_target(
+        target,
+        draft_class=OracleDraft,
+        num_hidden_layers=1,
+        block_size=4,
+        target_layer_ids=[1, 3],
+        gru_hidden_dim=8,
+        residual_rank=8,
+    ).eval()
     full_blocks = DraftingOptions(draft_length="full")  # rejected drafts every round, and no cost measurement
     longest_window = []  # stored slots of the sliding layers before each target forward
 
@@ -269,12 +308,13 @@ def test_native_batch_refuses_sliding_window_target(family):
     with pytest.raises(ValueError, match="SlidingWindowLayer cache layers would give wrong tokens.*batch size 1"):
         speculative_generate(target, tiny_draft(target), input_ids, attention_mask, max_new_tokens=12)
     wide_window_target = _sliding_window_target(family, sliding_window=1000)  # > 9 + 12 * (3 drafts + 1) slots
-    for target, draft in ((target, None), (wide_window_target, tiny_draft(wide_window_target))):
-        output = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=12)
+    for windowed, draft in ((target, None), (wide_window_target, tiny_draft(wide_window_target))):
+        output = speculative_generate(windowed, draft, input_ids, attention_mask, max_new_tokens=12)
         width = input_ids.shape[1]
         for row, prompt in enumerate(prompts):
-            expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
-                                       do_sample=False)  # fmt: skip
+            expected = windowed.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False
+            )
             num_new = expected.shape[1] - prompt.shape[1]
             assert output.num_new_tokens[row] == num_new, f"row {row}"
             assert torch.equal(output.sequences[row, width : width + num_new], expected[0, prompt.shape[1] :])
@@ -300,10 +340,22 @@ def test_native_batch_refuses_recurrent_target():
 
     torch.manual_seed(0)
     config = Qwen3NextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"] * 2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"] * 2,
     )
     target = Qwen3NextForCausalLM(config).eval()
     input_ids, attention_mask = left_pad(random_prompts(2, seed=9, max_length=9), pad_token_id=127)
@@ -311,3 +363,42 @@ def test_native_batch_refuses_recurrent_target():
         speculative_generate(target, tiny_draft(target), input_ids, attention_mask, max_new_tokens=8)
     with pytest.raises(ValueError, match="LinearAttentionLayer cache layers cannot drop the rows.*batch size 1"):
         speculative_generate(target, None, input_ids, attention_mask, max_new_tokens=8)
+
+
+def test_a_checkpoint_generates_without_the_package_verifying_every_draft(tmp_path):
+    """A Hub user loads the checkpoint's own code with only torch and transformers installed: generate still gives
+    the target's greedy tokens, and on CPU says once that the cost-aware draft length needs the package."""
+    target = tiny_target("qwen3")
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    script = (
+        "import sys, warnings\n"
+        "class NoPackage:\n"  # as if domino_spec were not installed
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'domino_spec':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, NoPackage())\n"
+        "import torch\n"
+        "from transformers import AutoModel, AutoModelForCausalLM\n"
+        "target = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "draft = AutoModel.from_pretrained(sys.argv[2], trust_remote_code=True).eval()\n"
+        "for seed in range(4):\n"
+        "    generator = torch.Generator().manual_seed(seed)\n"
+        "    ids = torch.randint(3, target.config.vocab_size, (1, 5 + seed), generator=generator)\n"
+        "    expected = target.generate(ids, max_new_tokens=16, do_sample=False)\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        out = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False)\n"
+        "    print(torch.equal(out, expected), any('domino_spec package' in str(w.message) for w in caught))\n"
+        "print('domino_spec' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "target"), str(tmp_path / "draft")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True"] * 4 + ["False"], result.stdout + result.stderr[-3000:]

@@ -23,17 +23,6 @@ drafts' distribution.
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target, word_tokenizer
-from speculative_helpers import (
-    LIVE_TOKENS,
-    chi_square_test,
-    draft_from_scratch,
-    drawn_from_test,
-    exact_joint_distribution,
-    first_tokens_distribution,
-    make_peaked,
-    until_eos,
-)
 from transformers import (
     GenerationConfig,
     LogitsProcessorList,
@@ -48,6 +37,18 @@ from transformers import (
 from domino_spec import DraftCosts, DraftingOptions
 from domino_spec.draft_building import with_draft_vocab
 from domino_spec.generation import left_pad, speculative_generate
+
+from conftest import tiny_draft, tiny_target, word_tokenizer
+from speculative_helpers import (
+    LIVE_TOKENS,
+    chi_square_test,
+    draft_from_scratch,
+    drawn_from_test,
+    exact_joint_distribution,
+    first_tokens_distribution,
+    make_peaked,
+    until_eos,
+)
 
 NUM_TOKENS = 5  # max_new_tokens: the prefill's token, then three drafts and a bonus token if all are accepted
 EOS = LIVE_TOKENS[1]  # about half the sequences end at it, most inside a block
@@ -113,8 +114,17 @@ def test_native_sampling_matches_target_distribution(models, name):
     settings, processors = NATIVE_SETTINGS[name]
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
     batch = prompt.expand(NUM_NATIVE_SAMPLES, -1)
-    output = speculative_generate(target, draft, batch, max_new_tokens=NUM_TOKENS, do_sample=True, eos_token_id=EOS,
-                                  pad_token_id=0, generator=torch.Generator().manual_seed(0), **settings)
+    output = speculative_generate(
+        target,
+        draft,
+        batch,
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(0),
+        **settings,
+    )
     # The draft must be neither always rejected nor always accepted for the test to mean something.
     rates = output.position_acceptance_rates
     assert 0.15 < float(rates[0]) < 0.95 and 0.05 < float(rates[1]) < 0.95, rates
@@ -161,9 +171,17 @@ def test_native_sampling_with_a_strong_head_matches_target_distribution(models, 
     target, _, prompt = models
     settings, processors = STRONG_HEAD_SETTINGS[name]
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
-    output = speculative_generate(target, strong_head_draft, prompt.expand(NUM_NATIVE_SAMPLES, -1),
-                                  max_new_tokens=NUM_TOKENS, do_sample=True, eos_token_id=EOS, pad_token_id=0,
-                                  generator=torch.Generator().manual_seed(2), **settings)
+    output = speculative_generate(
+        target,
+        strong_head_draft,
+        prompt.expand(NUM_NATIVE_SAMPLES, -1),
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(2),
+        **settings,
+    )
     assert 0.2 < float(output.position_acceptance_rates[0]) < 0.8, output.position_acceptance_rates
     outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
     assert_distributed_as(outcomes, exact, f"native sampling with a strong head ({name})")
@@ -186,8 +204,15 @@ def test_sampled_drafts_are_drawn_from_the_logits_they_report(models, strong_hea
     the output only by what it changes in acceptance."""
     target, _, prompt = models
     batch = prompt.expand(NUM_DRAFT_ROWS, -1)
-    block = draft_from_scratch(strong_head_draft, target, batch, do_sample=True, prefix_ids=batch,
-                               logits_processor=DRAFT_PROCESSORS[name], generator=torch.Generator().manual_seed(4))
+    block = draft_from_scratch(
+        strong_head_draft,
+        target,
+        batch,
+        do_sample=True,
+        prefix_ids=batch,
+        logits_processor=DRAFT_PROCESSORS[name],
+        generator=torch.Generator().manual_seed(4),
+    )
     statistic, bound = drawn_from_test(block.tokens, block.logits)
     assert statistic < bound, f"sampled drafts ({name}): chi-square {statistic:.1f} >= {bound:.1f}"
 
@@ -216,8 +241,17 @@ def test_native_sampling_of_a_left_padded_batch_matches_each_prompt(models):
     target, draft, prompt = models
     short_prompt = torch.tensor([[9, 44, 70]])
     input_ids, attention_mask = left_pad([prompt, short_prompt] * (NUM_NATIVE_SAMPLES // 2), pad_token_id=0)
-    output = speculative_generate(target, draft, input_ids, attention_mask, max_new_tokens=NUM_TOKENS, do_sample=True,
-                                  eos_token_id=EOS, pad_token_id=0, generator=torch.Generator().manual_seed(1))
+    output = speculative_generate(
+        target,
+        draft,
+        input_ids,
+        attention_mask,
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(1),
+    )
     outcomes = _outcomes(output.sequences, input_ids.shape[1], pad_token_id=0)
     for parity, row_prompt in enumerate([prompt, short_prompt]):
         exact = exact_joint_distribution(target, row_prompt, NUM_TOKENS, LogitsProcessorList(), eos_token_id=EOS)
@@ -228,8 +262,16 @@ def test_target_own_sampling_matches_reference(models):
     """Control: the enumerated reference is the target's own sampling distribution."""
     target, _, prompt = models
     torch.manual_seed(0)
-    sequences = target.generate(prompt.expand(NUM_NATIVE_SAMPLES, -1), max_new_tokens=NUM_TOKENS, do_sample=True,
-                                temperature=0.7, top_k=3, top_p=0.9, eos_token_id=EOS, pad_token_id=0)
+    sequences = target.generate(
+        prompt.expand(NUM_NATIVE_SAMPLES, -1),
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        temperature=0.7,
+        top_k=3,
+        top_p=0.9,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
     processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
     assert_distributed_as(_outcomes(sequences, prompt.shape[1], pad_token_id=0), exact, "target.generate sampling")
@@ -250,9 +292,18 @@ def test_hf_path_sampling_matches_target_distribution(models):
     samples = []
     for seed in range(NUM_HF_SAMPLES):
         torch.manual_seed(seed)
-        sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=0.6, top_k=3,
-                                    top_p=0.95, repetition_penalty=1.5, eos_token_id=EOS, pad_token_id=0,
-                                    assistant_model=draft)
+        sequences = target.generate(
+            prompt,
+            max_new_tokens=NUM_TOKENS,
+            do_sample=True,
+            temperature=0.6,
+            top_k=3,
+            top_p=0.95,
+            repetition_penalty=1.5,
+            eos_token_id=EOS,
+            pad_token_id=0,
+            assistant_model=draft,
+        )
         samples += _outcomes(sequences, prompt.shape[1])
     assert_distributed_as(samples, exact, "HF-path speculative sampling")
 
@@ -265,9 +316,17 @@ def test_hf_path_sampling_with_a_strong_head_matches_target_distribution(models,
     samples = []
     for seed in range(NUM_HF_STRONG_HEAD_SAMPLES):
         torch.manual_seed(seed)
-        sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS, do_sample=True, top_k=0, min_p=0.2,
-                                    no_repeat_ngram_size=2, eos_token_id=EOS, pad_token_id=0,
-                                    assistant_model=strong_head_draft)
+        sequences = target.generate(
+            prompt,
+            max_new_tokens=NUM_TOKENS,
+            do_sample=True,
+            top_k=0,
+            min_p=0.2,
+            no_repeat_ngram_size=2,
+            eos_token_id=EOS,
+            pad_token_id=0,
+            assistant_model=strong_head_draft,
+        )
         samples += _outcomes(sequences, prompt.shape[1])
     assert_distributed_as(samples, exact, "HF-path sampling with a strong head")
 
@@ -285,8 +344,9 @@ def test_hf_path_sampling_with_a_stop_string_matches_target_distribution(models)
     for seed in range(NUM_HF_STOP_SAMPLES):
         torch.manual_seed(seed)
         # max_new_tokens = 3: the first round drafts the second token, and verifying it gives the third
-        sequences = target.generate(prompt, max_new_tokens=3, do_sample=True, stop_strings=["w017"],
-                                    tokenizer=tokenizer, assistant_model=draft)
+        sequences = target.generate(
+            prompt, max_new_tokens=3, do_sample=True, stop_strings=["w017"], tokenizer=tokenizer, assistant_model=draft
+        )
         generated = tuple(sequences[0, prompt.shape[1] :].tolist())
         assert LIVE_TOKENS[1] not in generated[:-1], generated  # stopped at the stop string
         samples.append(generated[:1] if generated[0] == LIVE_TOKENS[1] else generated[:2])
@@ -304,8 +364,15 @@ def test_hf_path_sampling_after_a_prompt_ending_in_eos_matches_target_distributi
     samples = []
     for seed in range(NUM_HF_EOS_PROMPT_SAMPLES):
         torch.manual_seed(seed)
-        sequences = target.generate(prompt, max_new_tokens=NUM_EOS_PROMPT_TOKENS, do_sample=True, top_k=0,
-                                    eos_token_id=EOS, pad_token_id=0, assistant_model=draft)
+        sequences = target.generate(
+            prompt,
+            max_new_tokens=NUM_EOS_PROMPT_TOKENS,
+            do_sample=True,
+            top_k=0,
+            eos_token_id=EOS,
+            pad_token_id=0,
+            assistant_model=draft,
+        )
         samples += _outcomes(sequences, prompt.shape[1])
     assert_distributed_as(samples, exact, "HF-path sampling after a prompt ending in EOS")
 
@@ -313,8 +380,15 @@ def test_hf_path_sampling_after_a_prompt_ending_in_eos_matches_target_distributi
 def test_native_sampling_is_reproducible_with_a_generator(models):
     target, draft, prompt = models
     runs = [
-        speculative_generate(target, draft, prompt.expand(4, -1), max_new_tokens=10, do_sample=True, top_k=4,
-                             generator=torch.Generator().manual_seed(11)).sequences
+        speculative_generate(
+            target,
+            draft,
+            prompt.expand(4, -1),
+            max_new_tokens=10,
+            do_sample=True,
+            top_k=4,
+            generator=torch.Generator().manual_seed(11),
+        ).sequences
         for _ in range(2)
     ]
     assert torch.equal(runs[0], runs[1])
@@ -324,7 +398,7 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
     """Each round proposes only the drafts its confidences say pay, a stopping rule on the draft's distributions
     (never on a sampled token), so the output is still the target's sampling; here through generate, whose rounds
     each choose their own length."""
-    from domino_spec.drafting import CostAwareDrafting, choose_draft_length
+    from domino_spec.cost_aware import CostAwareDrafting, choose_draft_length
 
     target, _, prompt = models
     lengths = []
@@ -344,8 +418,16 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
     try:
         for seed in range(NUM_HF_COST_AWARE_SAMPLES):
             torch.manual_seed(seed)
-            sequences = target.generate(prompt, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=1.5, top_k=2,
-                                        eos_token_id=EOS, pad_token_id=0, assistant_model=strong_head_draft)
+            sequences = target.generate(
+                prompt,
+                max_new_tokens=NUM_TOKENS,
+                do_sample=True,
+                temperature=1.5,
+                top_k=2,
+                eos_token_id=EOS,
+                pad_token_id=0,
+                assistant_model=strong_head_draft,
+            )
             samples += _outcomes(sequences, prompt.shape[1])
     finally:
         strong_head_draft.drafting_options = DraftingOptions(candidate_pool=3, draft_length="full")
@@ -365,14 +447,27 @@ def test_native_sampling_of_looked_up_rounds_matches_target_distribution(models)
     target, draft, _ = models
     processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
     exact = exact_joint_distribution(target, LOOKUP_PROMPT, NUM_TOKENS, processors, eos_token_id=EOS)
-    output = speculative_generate(target, draft, LOOKUP_PROMPT.expand(NUM_NATIVE_SAMPLES, -1),
-                                  max_new_tokens=NUM_TOKENS, do_sample=True, eos_token_id=EOS, pad_token_id=0,
-                                  temperature=0.7, top_k=3, top_p=0.9, generator=torch.Generator().manual_seed(7),
-                                  options=LOOKUP_ROUNDS)  # fmt: skip
+    output = speculative_generate(
+        target,
+        draft,
+        LOOKUP_PROMPT.expand(NUM_NATIVE_SAMPLES, -1),
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        temperature=0.7,
+        top_k=3,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(7),
+        options=LOOKUP_ROUNDS,
+    )
     assert output.looked_up_rounds >= 2  # every round with room for a draft
     assert 0.05 < float(output.position_acceptance_rates[0]) < 0.95, output.position_acceptance_rates
-    assert_distributed_as(_outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0), exact,
-                          "native sampling of looked-up rounds")  # fmt: skip
+    assert_distributed_as(
+        _outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0),
+        exact,
+        "native sampling of looked-up rounds",
+    )
 
 
 def test_hf_path_sampling_of_looked_up_rounds_matches_target_distribution(models):
@@ -384,8 +479,16 @@ def test_hf_path_sampling_of_looked_up_rounds_matches_target_distribution(models
     try:
         for seed in range(NUM_HF_COST_AWARE_SAMPLES):
             torch.manual_seed(seed)
-            sequences = target.generate(LOOKUP_PROMPT, max_new_tokens=NUM_TOKENS, do_sample=True, temperature=0.8,
-                                        top_k=4, eos_token_id=EOS, pad_token_id=0, assistant_model=draft)
+            sequences = target.generate(
+                LOOKUP_PROMPT,
+                max_new_tokens=NUM_TOKENS,
+                do_sample=True,
+                temperature=0.8,
+                top_k=4,
+                eos_token_id=EOS,
+                pad_token_id=0,
+                assistant_model=draft,
+            )
             samples += _outcomes(sequences, LOOKUP_PROMPT.shape[1])
     finally:
         draft.drafting_options = FULL_BLOCKS
@@ -400,9 +503,19 @@ def test_native_sampling_with_a_draft_vocabulary_matches_target_distribution(mod
     restricted = with_draft_vocab(draft, torch.tensor(vocabulary))
     processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
     exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
-    output = speculative_generate(target, restricted, prompt.expand(NUM_NATIVE_SAMPLES, -1), max_new_tokens=NUM_TOKENS,
-                                  do_sample=True, eos_token_id=EOS, pad_token_id=0, temperature=0.7, top_k=3,
-                                  top_p=0.9, generator=torch.Generator().manual_seed(6))  # fmt: skip
+    output = speculative_generate(
+        target,
+        restricted,
+        prompt.expand(NUM_NATIVE_SAMPLES, -1),
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        temperature=0.7,
+        top_k=3,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(6),
+    )
     outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
     assert 0.1 < sum(outcome[-1] == EOS for outcome in outcomes) / len(outcomes) < 0.9  # EOS: the target's alone
     assert_distributed_as(outcomes, exact, "native sampling with a draft vocabulary")

@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 import transformers
-from conftest import tiny_draft, tiny_target, tiny_tokenizer
 from packaging import version
 from transformers import AutoModelForCausalLM
 
@@ -37,6 +36,8 @@ from domino_spec.training.loss import (
 )
 from domino_spec.training.train import parse_train_arguments
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
+
+from conftest import tiny_draft, tiny_target, tiny_tokenizer
 
 DOMINO_SPEC = shutil.which("domino-spec")
 PLAIN_DECODING = functools.partial(speculative_generate, draft=None)  # what generate-data decodes with
@@ -107,12 +108,16 @@ def test_soft_cross_entropy_renormalises_over_the_draft_vocabulary():
     # All of the target's mass on the label: the hard cross-entropy.
     certain_ids = torch.stack([labels, (labels + 1) % 7], dim=-1)
     certain = soft_cross_entropy(logits, certain_ids, torch.tensor([1.0, 0.0]).expand(2, 3, 2))
-    torch.testing.assert_close(certain, torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none"))
+    torch.testing.assert_close(
+        certain, torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    )
     # A token outside the draft vocabulary (IGNORE_INDEX) drops out; the rest is renormalised.
     ids = torch.tensor([[[2, IGNORE_INDEX, 5]]])
     log_probs = logits[:1, :1].log_softmax(-1)
     expected = -(0.6 * log_probs[0, 0, 2] + 0.4 * log_probs[0, 0, 5])
-    torch.testing.assert_close(soft_cross_entropy(logits[:1, :1], ids, torch.tensor([[[0.3, 0.5, 0.2]]]))[0, 0], expected)
+    torch.testing.assert_close(
+        soft_cross_entropy(logits[:1, :1], ids, torch.tensor([[[0.3, 0.5, 0.2]]]))[0, 0], expected
+    )
     nothing = torch.full((1, 1, 2), IGNORE_INDEX)
     assert soft_cross_entropy(logits[:1, :1], nothing, torch.tensor([[[0.7, 0.3]]])).item() == 0.0
 
@@ -246,7 +251,9 @@ def test_teacher_forcing_reads_ground_truth_and_training_time_test_reads_predict
     edited = input_ids.clone()
     edited[0, 10] = (input_ids[0, 10] + 3) % 100  # ground truth inside the block: slot 2's GRU input (anchor + 2)
     for reads_predictions in (False, True):
-        reference = _train_forward(draft, target, input_ids, features, anchors, head_reads_predictions=reads_predictions)
+        reference = _train_forward(
+            draft, target, input_ids, features, anchors, head_reads_predictions=reads_predictions
+        )
         changed = _train_forward(draft, target, edited, features, anchors, head_reads_predictions=reads_predictions)
         torch.testing.assert_close(changed.base_logits, reference.base_logits)  # the backbone never sees it
         torch.testing.assert_close(changed.logits[:, :, :2], reference.logits[:, :, :2])
@@ -318,7 +325,9 @@ def test_tiny_draft_overfits_and_target_is_untouched(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses[-1] < 0.25 * losses[0], losses
-    assert {"loss_base", "loss_final", "lam", "acceptance_base", "acceptance_final"} <= set(trainer.state.log_history[0])
+    assert {"loss_base", "loss_final", "lam", "acceptance_base", "acceptance_final"} <= set(
+        trainer.state.log_history[0]
+    )
     for name, tensor in target.state_dict().items():
         assert torch.equal(tensor, target_before[name]), f"target weight {name} changed"
     assert not any(name.startswith(("model.", "lm_head")) for name in trainer.model.state_dict())
@@ -327,8 +336,9 @@ def test_tiny_draft_overfits_and_target_is_untouched(tmp_path):
 def test_trainer_follows_the_curriculum_and_its_loss_options(tmp_path):
     target = tiny_target("llama")
     examples = _random_examples(count=2, length=16, prompt_length=4)
-    trainer = _trainer(tmp_path, target, tiny_draft(target).float(), examples, num_anchors=4, max_steps=4,
-                       learning_rate=0.0)  # fmt: skip
+    trainer = _trainer(
+        tmp_path, target, tiny_draft(target).float(), examples, num_anchors=4, max_steps=4, learning_rate=0.0
+    )
     trainer.train()
     assert [entry["lam"] for entry in trainer.state.log_history if "lam" in entry] == [1.0, 0.75, 0.5, 0.25]
 
@@ -347,8 +357,9 @@ def test_trainer_follows_the_curriculum_and_its_loss_options(tmp_path):
     for gamma in (7.0, 0.5):
         expected, _ = domino_loss(outputs.logits, outputs.base_logits, labels, lam=0.0, gamma=gamma)
         assert loss_and_logits(loss_gamma=gamma)[0] == pytest.approx(expected.item(), rel=1e-5)
-    reading_predictions = _train_forward(draft, target, batch["input_ids"], features, batch["anchor_positions"],
-                                         head_reads_predictions=True).logits  # fmt: skip
+    reading_predictions = _train_forward(
+        draft, target, batch["input_ids"], features, batch["anchor_positions"], head_reads_predictions=True
+    ).logits
     assert not torch.allclose(reading_predictions, outputs.logits)
     torch.testing.assert_close(loss_and_logits(training_time_test=True)[1], reading_predictions)
 
@@ -356,8 +367,15 @@ def test_trainer_follows_the_curriculum_and_its_loss_options(tmp_path):
 def test_evaluation_draws_the_same_anchors_each_time_and_its_workers_ignore_stop_signals(tmp_path):
     target = tiny_target("llama")
     examples = _random_examples(count=4, length=16, prompt_length=4)
-    trainer = _trainer(tmp_path, target, tiny_draft(target).float(), examples[:2], num_anchors=3,
-                       dataloader_num_workers=1, per_device_eval_batch_size=1)  # fmt: skip
+    trainer = _trainer(
+        tmp_path,
+        target,
+        tiny_draft(target).float(),
+        examples[:2],
+        num_anchors=3,
+        dataloader_num_workers=1,
+        per_device_eval_batch_size=1,
+    )
     scores = [trainer.evaluate(examples)["eval_loss"] for _ in range(2)]
     assert scores[0] == scores[1]  # 3 of 11 positions per row: random anchors would differ
     batches = iter(trainer.get_eval_dataloader(examples))
@@ -366,8 +384,16 @@ def test_evaluation_draws_the_same_anchors_each_time_and_its_workers_ignore_stop
     os.kill(int(worker), signal.SIGTERM)  # as a scheduler's stop reaches every process of the job
     time.sleep(0.5)
     assert len(list(batches)) == 3  # the worker lives on to deliver the rest
-    persistent = _trainer(tmp_path, target, trainer.model, examples[:2], num_anchors=3, dataloader_num_workers=1,
-                          per_device_eval_batch_size=1, dataloader_persistent_workers=True)  # fmt: skip
+    persistent = _trainer(
+        tmp_path,
+        target,
+        trainer.model,
+        examples[:2],
+        num_anchors=3,
+        dataloader_num_workers=1,
+        per_device_eval_batch_size=1,
+        dataloader_persistent_workers=True,
+    )
     assert [persistent.evaluate(examples)["eval_loss"] for _ in range(2)] == scores  # workers keep their collator
 
 
@@ -430,8 +456,18 @@ def test_gradient_checkpointing_trains_the_same_weights(tmp_path):
     weights = []
     for checkpointing in (False, True):
         draft = tiny_draft(target, seed=3).float()
-        trainer = _trainer(tmp_path, target, draft, [dict(e) for e in examples], num_anchors=4, max_steps=2,
-                           optim="sgd", max_grad_norm=0.0, seed=0, **{flag: checkpointing})  # fmt: skip
+        trainer = _trainer(
+            tmp_path,
+            target,
+            draft,
+            [dict(e) for e in examples],
+            num_anchors=4,
+            max_steps=2,
+            optim="sgd",
+            max_grad_norm=0.0,
+            seed=0,
+            **{flag: checkpointing},
+        )
         trainer.train()
         assert draft.layers[0].gradient_checkpointing == checkpointing
         weights.append({name: tensor.detach().clone() for name, tensor in draft.named_parameters()})
@@ -544,8 +580,7 @@ def test_regenerated_data_records_its_target_and_settings_and_refuses_to_mix_the
     with pytest.raises(ValueError, match=r"temperature 0.0 \(now 0.7\)"):
         regenerate_responses(target, tokenizer, prompts, output, PLAIN_DECODING, max_new_tokens=6, temperature=0.7)
     with pytest.raises(ValueError, match="target '[0-9a-f]{16}' \\(now '[0-9a-f]{16}'\\)"):
-        regenerate_responses(tiny_target("llama", seed=4), tokenizer, prompts, output, PLAIN_DECODING,
-                             max_new_tokens=6)
+        regenerate_responses(tiny_target("llama", seed=4), tokenizer, prompts, output, PLAIN_DECODING, max_new_tokens=6)
     resumed = regenerate_responses(target, tokenizer, prompts, output, PLAIN_DECODING, max_new_tokens=6)
     assert resumed == 1  # the same settings: resumes
     check_regenerated_by(output, target, tokenizer)
@@ -565,8 +600,10 @@ def test_regenerated_responses_are_the_targets_own_greedy_answers(tmp_path):
     first = target.generate(alone[0], max_new_tokens=12, do_sample=False)[0, alone[0].shape[1] :]
     target.generation_config.eos_token_id = int(first[3])  # the first prompt stops inside the run
     output = tmp_path / "data.jsonl"
-    assert regenerate_responses(target, tokenizer, prompts, str(output), PLAIN_DECODING, max_new_tokens=12,
-                                batch_size=3) == 5
+    assert (
+        regenerate_responses(target, tokenizer, prompts, str(output), PLAIN_DECODING, max_new_tokens=12, batch_size=3)
+        == 5
+    )
     responses = {record["id"]: record["response_ids"] for record in map(json.loads, output.read_text().splitlines())}
     lengths = set()
     for prompt, ids in zip(prompts, alone):
@@ -581,11 +618,46 @@ def test_the_draft_folder_says_which_mode_its_data_was_regenerated_in(tmp_path, 
     from domino_spec.cli import main
 
     _write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": f"question {i}?"} for i in range(6)])
-    main(["generate-data", "--target", tiny_target_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--output",
-          str(tmp_path / "data.jsonl"), "--max-new-tokens", "12", "--temperature", "0.7", "--thinking", "off"])  # fmt: skip
-    main(["train", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--output", str(tmp_path / "d"),
-          "--draft_layers", "1", "--block_size", "4", "--num_anchors", "4", "--max_steps", "1", "--report_to", "none",
-          "--disable_tqdm", "true"])  # fmt: skip
+    main(
+        [
+            "generate-data",
+            "--target",
+            tiny_target_dir,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--output",
+            str(tmp_path / "data.jsonl"),
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0.7",
+            "--thinking",
+            "off",
+        ]
+    )
+    main(
+        [
+            "train",
+            "--target",
+            tiny_target_dir,
+            "--data",
+            str(tmp_path / "data.jsonl"),
+            "--output",
+            str(tmp_path / "d"),
+            "--draft_layers",
+            "1",
+            "--block_size",
+            "4",
+            "--num_anchors",
+            "4",
+            "--max_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     data = json.loads((tmp_path / "d" / "training_summary.json").read_text())["data"]
     assert data["generation"] == {"max_new_tokens": 12, "temperature": 0.7, "thinking": False}
     assert data["examples"] == len(load_training_dataset(str(tmp_path / "data.jsonl")))
@@ -614,7 +686,9 @@ def test_resuming_picks_the_highest_complete_checkpoint(tmp_path, capsys):
     for step in (2, 10, 12, 14):  # 10 after 2 in step order, not in name order; 12 and 14 cut short
         (tmp_path / f"checkpoint-{step}").mkdir()
         if step != 12:
-            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text('{"global_step": 1' if step == 14 else "{}")
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(
+                '{"global_step": 1' if step == 14 else "{}"
+            )
     for flags in ([], ["--resume_from_checkpoint", "true"], ["--resume_from_checkpoint", "last"]):
         assert checkpoint_to_resume(parse_train_arguments(argv + flags)[1]) == str(tmp_path / "checkpoint-10")
         err = capsys.readouterr().err
@@ -651,7 +725,9 @@ def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_f
     draft = build_draft(draft_args, target, tiny_tokenizer())
     assert draft.config.block_size == 4 and draft.dtype == torch.float32  # master weights, as a fresh draft's
     draft_args.block_size, draft_args.use_domino_head = 8, False
-    with pytest.raises(ValueError, match=r"block_size=8 \(the draft has 4\); use_domino_head=False \(the draft has True\)"):
+    with pytest.raises(
+        ValueError, match=r"block_size=8 \(the draft has 4\); use_domino_head=False \(the draft has True\)"
+    ):
         build_draft(draft_args, target, tiny_tokenizer())
 
 
@@ -697,7 +773,9 @@ def _tiny_train_command(
 ) -> tuple[list[str], object]:
     """`program train` (`program`: the domino-spec script, or a launcher of the CLI module) of a 1-layer draft on 8 tiny
     records, logging every step, saving no periodic checkpoint, with no step limit yet; and its output folder."""
-    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)]
+    data = [
+        {"id": f"s{i}", "prompt_ids": [3, 10 + i, 11, 4], "response_ids": list(range(20 + i, 40 + i))} for i in range(8)
+    ]
     _write_jsonl(tmp_path / "data.jsonl", data)
     output = tmp_path / "draft"
     command = [*program, "train", "--target", target_dir, "--data", str(tmp_path / "data.jsonl")]
@@ -709,8 +787,9 @@ def _tiny_train_command(
 
 def _started_training(command: list[str], **popen) -> subprocess.Popen:
     """`command` with no end in sight (`--max_steps 100000`), returned once its first step is logged."""
-    process = subprocess.Popen(command + ["--max_steps", "100000"], stdout=subprocess.PIPE, text=True,
-                               env=TRAINING_ENVIRONMENT, **popen)  # fmt: skip
+    process = subprocess.Popen(
+        command + ["--max_steps", "100000"], stdout=subprocess.PIPE, text=True, env=TRAINING_ENVIRONMENT, **popen
+    )
     for line in process.stdout:
         if "'loss'" in line:
             break
@@ -720,15 +799,39 @@ def _started_training(command: list[str], **popen) -> subprocess.Popen:
 def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tmp_path, tiny_target_dir, capsys):
     from domino_spec.cli import main
 
-    _write_jsonl(tmp_path / "data.jsonl", [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11],
-                                            "response_ids": list(range(20 + i, 34 + i))} for i in range(3)])  # fmt: skip
-    command = ["train", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--output",
-               str(tmp_path / "draft"), "--block_size", "4", "--num_anchors", "4", "--draft_layers", "1",
-               "--save_strategy", "steps", "--save_steps", "1", "--report_to", "none", "--disable_tqdm", "true"]  # fmt: skip
+    _write_jsonl(
+        tmp_path / "data.jsonl",
+        [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))} for i in range(3)],
+    )
+    command = [
+        "train",
+        "--target",
+        tiny_target_dir,
+        "--data",
+        str(tmp_path / "data.jsonl"),
+        "--output",
+        str(tmp_path / "draft"),
+        "--block_size",
+        "4",
+        "--num_anchors",
+        "4",
+        "--draft_layers",
+        "1",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+    ]
     main(command + ["--max_steps", "2"])
     card = (tmp_path / "draft" / "README.md").read_text()  # hand-made records: no regeneration settings to cite
     assert "| responses | not regenerated by domino-spec: mode unknown |" in card
-    with pytest.raises(ValueError, match=r"build for this --target differs: num_hidden_layers=2 \(the checkpoint has 1\)"):
+    with pytest.raises(
+        ValueError, match=r"build for this --target differs: num_hidden_layers=2 \(the checkpoint has 1\)"
+    ):
         main(command + ["--max_steps", "2", "--draft_layers", "2"])
     capsys.readouterr()
     main(command + ["--max_steps", "2"])
@@ -747,8 +850,10 @@ def test_rerunning_train_refuses_another_shape_and_does_nothing_once_finished(tm
 def _checkpointing_train_flags(tmp_path, target_dir: str, records: int) -> list[str]:
     """`train` flags of a 1-layer draft on `records` tiny records in batches of 2, saving a checkpoint and logging
     every step; no output folder or step limit yet."""
-    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
-            for i in range(records)]  # fmt: skip
+    data = [
+        {"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
+        for i in range(records)
+    ]
     _write_jsonl(tmp_path / "data.jsonl", data)
     flags = ["--target", target_dir, "--data", str(tmp_path / "data.jsonl"), "--block_size", "4", "--num_anchors", "4"]
     flags += ["--draft_layers", "1", "--per_device_train_batch_size", "2", "--save_strategy", "steps"]
@@ -872,10 +977,21 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path, tiny_target
         main(["bench", "--dflash", str(draft_dir), "--methods", "dflash"])
     with pytest.raises(FileNotFoundError, match="--init_from .*missing: no such folder"):
         (tmp_path / "data.jsonl").write_text("")
-        main(["train", "--target", "t", "--data", str(tmp_path / "data.jsonl"), "--init_from", str(tmp_path / "missing")])
+        main(
+            ["train", "--target", "t", "--data", str(tmp_path / "data.jsonl"), "--init_from", str(tmp_path / "missing")]
+        )
     with pytest.raises(FileNotFoundError, match="--eval_data .*held_out.jsonl: no such file"):  # before the target
-        main(["train", "--target", str(tmp_path / "no_target"), "--data", str(tmp_path / "data.jsonl"), "--eval_data",
-              str(tmp_path / "held_out.jsonl")])  # fmt: skip
+        main(
+            [
+                "train",
+                "--target",
+                str(tmp_path / "no_target"),
+                "--data",
+                str(tmp_path / "data.jsonl"),
+                "--eval_data",
+                str(tmp_path / "held_out.jsonl"),
+            ]
+        )
     with pytest.raises(FileNotFoundError, match="--config .*recipe.yml: no such file"):
         main(["train", "--config", str(tmp_path / "recipe.yml")])
     with pytest.raises(FileNotFoundError, match="--prompts .*promts.jsonl: no such file or folder"):
@@ -886,17 +1002,22 @@ def test_command_line_mistakes_end_in_one_line_naming_them(tmp_path, tiny_target
     (tmp_path / "no_prompts.json").write_text("")
     for prompts, message in (("no_prompts.jsonl", "holds no prompt"), ("no_prompts.json", "holds no JSON array")):
         with pytest.raises(ValueError, match=f"{prompts} {message}"):  # not a run that writes nothing
-            main(["generate-data", "--target", tiny_target_dir, "--prompts", str(tmp_path / prompts), "--output", output])
+            main(
+                ["generate-data", "--target", tiny_target_dir, "--prompts", str(tmp_path / prompts), "--output", output]
+            )
     assert not os.path.exists(output)
     prompts = str(tmp_path / "prompts.jsonl")
     _write_jsonl(prompts, [{"prompt": "hello"}])
     (tmp_path / "empty").mkdir()
-    result = _run([DOMINO_SPEC, "generate-data", "--target", str(tmp_path / "empty"), "--prompts", prompts, "--output",
-                   output])  # fmt: skip
+    result = _run(
+        [DOMINO_SPEC, "generate-data", "--target", str(tmp_path / "empty"), "--prompts", prompts, "--output", output]
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     [line] = result.stderr.strip().splitlines()  # not a missing tokenizer library
-    assert line.startswith(f"domino-spec generate-data: error: target {tmp_path / 'empty'} holds no model: it has no "
-                           "config.json, no weights (model.safetensors or "), line  # fmt: skip
+    assert line.startswith(
+        f"domino-spec generate-data: error: target {tmp_path / 'empty'} holds no model: it has no "
+        "config.json, no weights (model.safetensors or "
+    ), line
     assert "no tokenizer files (tokenizer.json or " in line
     (tmp_path / "random_files").mkdir()
     (tmp_path / "random_files" / "notes.txt").write_text("not a model")
@@ -954,7 +1075,9 @@ def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir
     from domino_spec.cli import main
     from domino_spec.training.features import FeatureStore
 
-    data = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 30 + i))} for i in range(3)]
+    data = [
+        {"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 30 + i))} for i in range(3)
+    ]
     _write_jsonl(tmp_path / "data.jsonl", data)
     flags = ["--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--draft_layers", "2"]
     main(["cache-features", *flags, "--output", str(tmp_path / "features")])
@@ -963,8 +1086,19 @@ def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir
     assert FeatureStore(str(tmp_path / "features")).layer_ids == expected
     draft = tiny_draft(target, target_layer_ids=[0, 2], block_size=4)
     draft.save_pretrained(tmp_path / "draft")
-    main(["cache-features", "--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"),
-          "--init_from", str(tmp_path / "draft"), "--output", str(tmp_path / "features_of_draft")])  # fmt: skip
+    main(
+        [
+            "cache-features",
+            "--target",
+            tiny_target_dir,
+            "--data",
+            str(tmp_path / "data.jsonl"),
+            "--init_from",
+            str(tmp_path / "draft"),
+            "--output",
+            str(tmp_path / "features_of_draft"),
+        ]
+    )
     assert FeatureStore(str(tmp_path / "features_of_draft")).layer_ids == [0, 2]
 
 
@@ -1004,8 +1138,10 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerun
     assert "could not write the model card" not in log
     stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
     if version.parse(transformers.__version__) < version.parse("5.18"):
-        pytest.skip("transformers 5.17's Trainer restores a multi-process CPU run's optimizer state to 'cpu:N', which "
-                    "torch cannot load (fixed in 5.18; GPU runs map to 'cuda:N')")
+        pytest.skip(
+            "transformers 5.17's Trainer restores a multi-process CPU run's optimizer state to 'cpu:N', which "
+            "torch cannot load (fixed in 5.18; GPU runs map to 'cuda:N')"
+        )
 
     result = _run(command + ["--max_steps", str(stopped_at + 1)], env=TRAINING_ENVIRONMENT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -1014,8 +1150,9 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerun
 
 def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny_target_dir):
     command, output = _tiny_train_command(tmp_path, tiny_target_dir)
-    process = _started_training(command + ["--dataloader_num_workers", "1"], stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+    process = _started_training(
+        command + ["--dataloader_num_workers", "1"], stderr=subprocess.STDOUT, start_new_session=True
+    )
     # As a scheduler stops a job: every process of the group, the DataLoader worker included; and the training
     # process once more while it saves (a launcher forwards the SIGTERM it got to workers that got it already).
     os.killpg(process.pid, signal.SIGTERM)
@@ -1032,8 +1169,10 @@ def test_sigterm_saves_a_checkpoint_and_rerunning_resumes_from_it(tmp_path, tiny
     cut_short = output / f"checkpoint-{stopped_at + 1}"  # as a kill in the middle of a later save leaves it
     shutil.copytree(checkpoint, cut_short, ignore=shutil.ignore_patterns("trainer_state.json"))
 
-    result = _run(command + ["--max_steps", str(stopped_at + 2), "--save_strategy", "steps", "--save_steps", "1"],
-                  env=TRAINING_ENVIRONMENT)  # fmt: skip
+    result = _run(
+        command + ["--max_steps", str(stopped_at + 2), "--save_strategy", "steps", "--save_steps", "1"],
+        env=TRAINING_ENVIRONMENT,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"resuming from {checkpoint}" in result.stdout and f"skipping {cut_short}: incomplete" in result.stderr
     final = json.loads((output / f"checkpoint-{stopped_at + 2}" / "trainer_state.json").read_text())
@@ -1059,12 +1198,16 @@ def test_feature_store_refuses_features_beyond_fp16(tmp_path):
         FeatureStore.build(target, load_training_dataset(str(tmp_path / "d.jsonl")), [1, 3], str(tmp_path / "store"))
 
 
-def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_store(tmp_path, tiny_target_dir, capsys):
+def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_store(
+    tmp_path, tiny_target_dir, capsys
+):
     from domino_spec.cli import main
 
     def records(first: int) -> list[dict]:
-        return [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
-                for i in range(first, first + 4)]  # fmt: skip
+        return [
+            {"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
+            for i in range(first, first + 4)
+        ]
 
     _write_jsonl(tmp_path / "data.jsonl", records(0))
     _write_jsonl(tmp_path / "held_out.jsonl", records(50))  # its indices are the store's, its tokens not
@@ -1074,9 +1217,26 @@ def test_held_out_data_is_scored_during_and_after_training_with_features_from_a_
         main(["train", *flags, "--output", str(tmp_path / "o"), "--eval_strategy", "steps"])
     main(["cache-features", *flags, "--output", str(tmp_path / "features")])
     flags += ["--features", str(tmp_path / "features"), "--eval_data", str(tmp_path / "held_out.jsonl")]
-    main(["train", *flags, "--output", str(tmp_path / "draft"), "--max_steps", "4", "--eval_strategy", "steps",
-          "--eval_steps", "2", "--per_device_eval_batch_size", "2", "--save_strategy", "steps",
-          "--save_steps", "4"])  # fmt: skip
+    main(
+        [
+            "train",
+            *flags,
+            "--output",
+            str(tmp_path / "draft"),
+            "--max_steps",
+            "4",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "2",
+            "--per_device_eval_batch_size",
+            "2",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "4",
+        ]
+    )
     history = json.loads((tmp_path / "draft" / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
     evaluations = [entry for entry in history if "eval_loss" in entry]
     assert [entry["step"] for entry in evaluations] == [2, 4]
@@ -1104,8 +1264,9 @@ def test_train_on_soft_targets_from_the_command_line(tmp_path, tiny_target_dir, 
     data scored on ones computed online, as a trainer without a store scores it."""
     from domino_spec.cli import main
 
-    records = [{"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))}
-               for i in range(8)]  # fmt: skip
+    records = [
+        {"id": f"s{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 34 + i))} for i in range(8)
+    ]
     _write_jsonl(tmp_path / "data.jsonl", records[:4])
     _write_jsonl(tmp_path / "held_out.jsonl", records[4:])
     flags = ["--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--draft_layers", "1"]
@@ -1122,7 +1283,9 @@ def test_train_on_soft_targets_from_the_command_line(tmp_path, tiny_target_dir, 
     draft = DominoDraftModel.from_pretrained(tmp_path / "draft")
     held_out = load_training_dataset(str(tmp_path / "held_out.jsonl")).remove_columns("index")
     for soft_targets, expected_equal in ((4, True), (0, False)):
-        online = _trainer(tmp_path, target, draft, held_out, num_anchors=4, soft_targets=soft_targets).evaluate(held_out)
+        online = _trainer(tmp_path, target, draft, held_out, num_anchors=4, soft_targets=soft_targets).evaluate(
+            held_out
+        )
         assert (abs(online["eval_loss"] - scores["eval_loss"]) < 1e-3) == expected_equal, (soft_targets, online, scores)
 
 
@@ -1152,7 +1315,9 @@ def test_hooked_features_equal_output_hidden_states(family):
 def test_feature_store_trains_like_online_features_and_resumes(tmp_path):
     from domino_spec.training.features import FeatureStore, dataset_fingerprint
 
-    records = [{"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))} for i in range(5)]
+    records = [
+        {"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))} for i in range(5)
+    ]
     _write_jsonl(tmp_path / "d.jsonl", records)
     dataset = load_training_dataset(str(tmp_path / "d.jsonl"))
     target = tiny_target("llama")
@@ -1195,15 +1360,20 @@ def test_soft_targets_from_a_feature_store_train_like_online_ones(tmp_path):
     with fewer tokens, is refused with the flag that fixes it, and a store of more gives the likeliest."""
     from domino_spec.training.features import FeatureStore
 
-    records = [{"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))} for i in range(4)]
+    records = [
+        {"id": str(i), "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 32 + i))} for i in range(4)
+    ]
     _write_jsonl(tmp_path / "d.jsonl", records)
     dataset = load_training_dataset(str(tmp_path / "d.jsonl"))
     target = tiny_target("llama")
     draft = tiny_draft(target, draft_vocab=torch.arange(0, 128, 2)).float()  # soft targets outside it drop out
     layer_ids = draft.config.target_layer_ids
     hard_store = FeatureStore.build(target, dataset, layer_ids, str(tmp_path / "hard"))
-    with pytest.raises(ValueError, match=r"holds no soft targets, training asks for 4: train without --soft_targets, "
-                                         r"or rebuild .*`domino-spec cache-features --soft_targets 4`"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"holds no soft targets, training asks for 4: train without --soft_targets, "
+        r"or rebuild .*`domino-spec cache-features --soft_targets 4`",
+    ):
         hard_store.check(dataset, layer_ids, target, top_k=4)
     with pytest.raises(ValueError, match="soft targets of 0 tokens, not 8: building this one there would discard"):
         FeatureStore.build(target, dataset, layer_ids, str(tmp_path / "hard"), top_k=8)
@@ -1266,7 +1436,9 @@ def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(t
         FeatureStore.build(target, dataset, [1, 3], str(store_dir))
 
 
-def test_a_draft_vocabulary_trained_from_the_responses_and_narrowed_by_the_draft_vocab_command(tmp_path, tiny_target_dir):
+def test_a_draft_vocabulary_trained_from_the_responses_and_narrowed_by_the_draft_vocab_command(
+    tmp_path, tiny_target_dir
+):
     from domino_spec.cli import main
     from domino_spec.training.data import draft_vocabulary
 
@@ -1277,8 +1449,17 @@ def test_a_draft_vocabulary_trained_from_the_responses_and_narrowed_by_the_draft
     assert draft.draft_vocab.tolist() == expected and draft.head.embed_proj[2].weight.shape[0] == 12
     summary = json.loads((tmp_path / "draft" / "training_summary.json").read_text())
     assert math.isfinite(summary["last_logged"]["loss"]) and summary["global_step"] == 2
-    main(["draft-vocab", str(tmp_path / "draft"), str(tmp_path / "smaller"), "--data", str(tmp_path / "data.jsonl"),
-          "--size", "6"])  # fmt: skip
+    main(
+        [
+            "draft-vocab",
+            str(tmp_path / "draft"),
+            str(tmp_path / "smaller"),
+            "--data",
+            str(tmp_path / "data.jsonl"),
+            "--size",
+            "6",
+        ]
+    )
     smaller = DominoDraftModel.from_pretrained(tmp_path / "smaller")
     assert smaller.draft_vocab.tolist() == expected[:6]
     rows = [expected.index(token) for token in expected[:6]]

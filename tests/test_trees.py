@@ -6,8 +6,6 @@ rounds accept nodes off the draft's likeliest branch, which a chain would never 
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
-from speculative_helpers import random_prompts
 
 from domino_spec import DraftCosts, DraftingOptions
 from domino_spec.generation import left_pad, speculative_generate
@@ -21,6 +19,9 @@ from domino_spec.generation.trees import (
     tree_depths,
 )
 
+from conftest import tiny_draft, tiny_target
+from speculative_helpers import random_prompts
+
 VOCAB_SIZE = 12
 TREE = DraftingOptions(draft_length="full", tree_nodes=8, prompt_lookup=0)
 
@@ -33,8 +34,14 @@ def small_vocabulary_models(family: str):
 
 
 def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
-    return target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                           do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)  # fmt: skip
+    return target.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=eos_token_id,
+    )
 
 
 def test_a_hand_made_tree_has_its_depths_ancestors_mask_and_accepted_path():
@@ -92,8 +99,13 @@ def test_greedy_tree_decoding_is_plain_greedy_decoding(family):
         max_new_tokens = 9 + index % 7  # length limits at every depth of a tree
         eos_token_id = index % VOCAB_SIZE if index % 2 else None  # EOS inside a round
         expected = plain_greedy(target, prompt, max_new_tokens, eos_token_id)
-        output = speculative_generate(target, draft, prompt, max_new_tokens=max_new_tokens,
-                                      eos_token_id=[] if eos_token_id is None else eos_token_id)  # fmt: skip
+        output = speculative_generate(
+            target,
+            draft,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=[] if eos_token_id is None else eos_token_id,
+        )
         assert torch.equal(output.sequences, expected), index
         assert output.tree_rounds == output.num_rounds - output.plain_rounds  # a plain round where one token is left
         branch_wins += output.branch_wins
@@ -112,8 +124,9 @@ def test_cost_aware_trees_verify_only_the_nodes_that_pay():
     steep = DraftCosts(verify_seconds=tuple(1.0 + 0.15 * k for k in range(9)), draft_seconds=0.1)
     per_round = {}
     for draft_length in ("cost", "full"):
-        draft.drafting_options = DraftingOptions(draft_length=draft_length, draft_costs=steep, tree_nodes=8,
-                                                 prompt_lookup=0)  # fmt: skip
+        draft.drafting_options = DraftingOptions(
+            draft_length=draft_length, draft_costs=steep, tree_nodes=8, prompt_lookup=0
+        )
         prompt = random_prompts(1, seed=5, vocab_size=VOCAB_SIZE)[0]
         output = speculative_generate(target, draft, prompt, max_new_tokens=24, eos_token_id=[])
         assert torch.equal(output.sequences, plain_greedy(target, prompt, 24))
@@ -126,8 +139,15 @@ def test_sampling_verifies_chains_and_says_why():
     draft.drafting_options = TREE
     prompt = random_prompts(1, seed=2, vocab_size=VOCAB_SIZE)[0]
     with pytest.warns(UserWarning, match="tree_nodes=8: verifying chains instead, since sampling"):
-        output = speculative_generate(target, draft, prompt, max_new_tokens=8, do_sample=True, eos_token_id=[],
-                                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+        output = speculative_generate(
+            target,
+            draft,
+            prompt,
+            max_new_tokens=8,
+            do_sample=True,
+            eos_token_id=[],
+            generator=torch.Generator().manual_seed(0),
+        )
     assert output.tree_rounds == 0 and output.num_new_tokens == [8]
     with pytest.raises(ValueError, match="tree_nodes=-1 is invalid"):
         DraftingOptions(tree_nodes=-1)

@@ -14,11 +14,13 @@ from .train import fresh_draft_shape, load_target_and_data, parse_train_argument
 
 def main(argv: list[str]) -> None:
     draft_args, training_args = parse_train_arguments(
-        argv, prog="domino-spec cache-features", description=(
+        argv,
+        prog="domino-spec cache-features",
+        description=(
             "Compute the target features of a training set once, for `train --features DIR`; takes train's flags "
             "(the draft's shape decides the tapped layers), --output is the store's folder; rerun to resume."
-        )
-    )  # fmt: skip
+        ),
+    )
     target, tokenizer, dataset, _ = load_target_and_data(draft_args)
     if draft_args.init_from:
         layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids

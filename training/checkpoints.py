@@ -25,8 +25,10 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
     chosen = training_args.resume_from_checkpoint
     if chosen is not None and chosen.lower() not in ("true", "last"):
         if _trainer_state(chosen) is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: not a complete Trainer checkpoint (no "
-                                    f"readable {TRAINER_STATE_NAME} in it)")  # fmt: skip
+            raise FileNotFoundError(
+                f"--resume_from_checkpoint {chosen}: not a complete Trainer checkpoint (no "
+                f"readable {TRAINER_STATE_NAME} in it)"
+            )
         problem = unreadable_checkpoint_file(chosen)
         if problem is not None:
             raise ValueError(f"--resume_from_checkpoint {chosen}: {problem}; resume from another checkpoint")
@@ -34,12 +36,16 @@ def checkpoint_to_resume(training_args: DominoTrainingArguments) -> str | None:
     last = last_complete_checkpoint(training_args.output_dir)
     if chosen is not None:
         if last is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint {chosen}: no complete checkpoint in "
-                                    f"{training_args.output_dir}")  # fmt: skip
+            raise FileNotFoundError(
+                f"--resume_from_checkpoint {chosen}: no complete checkpoint in {training_args.output_dir}"
+            )
         return last
     if last is not None and training_args.restart:
-        print(f"--restart: starting over, but {last} of an earlier run stays, and a rerun without --restart would "
-              "resume from the highest step; use another --output to keep the runs apart", file=sys.stderr)  # fmt: skip
+        print(
+            f"--restart: starting over, but {last} of an earlier run stays, and a rerun without --restart would "
+            "resume from the highest step; use another --output to keep the runs apart",
+            file=sys.stderr,
+        )
         return None
     if last is not None:
         print(f"resuming from {last} (--restart starts over)")
@@ -52,8 +58,11 @@ def check_resumable(checkpoint: str, draft) -> None:
     saved, built = DominoConfig.from_pretrained(checkpoint), draft.config
     # The draft's own fields, but the target's name: a checkpoint trains on whatever the target folder is called.
     fields = sorted(set(DominoConfig.__annotations__) - {"target_model_name"})
-    conflicts = [f"{name}={getattr(built, name)!r} (the checkpoint has {getattr(saved, name)!r})"
-                 for name in fields if getattr(saved, name) != getattr(built, name)]  # fmt: skip
+    conflicts = [
+        f"{name}={getattr(built, name)!r} (the checkpoint has {getattr(saved, name)!r})"
+        for name in fields
+        if getattr(saved, name) != getattr(built, name)
+    ]
     if conflicts:
         raise ValueError(
             f"resuming from {checkpoint}, but the draft these flags build for this --target differs: "
@@ -92,13 +101,18 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     is skipped with a one-line warning and left in place."""
     if not os.path.isdir(output_dir):
         return None
-    steps = {int(name.removeprefix("checkpoint-")): name for name in os.listdir(output_dir)
-             if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit()}  # fmt: skip
+    steps = {
+        int(name.removeprefix("checkpoint-")): name
+        for name in os.listdir(output_dir)
+        if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit()
+    }
     for step in sorted(steps, reverse=True):
         folder = os.path.join(output_dir, steps[step])
         if _trainer_state(folder) is None:
-            print(f"skipping {folder}: incomplete (no readable {TRAINER_STATE_NAME}; its save was cut short)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"skipping {folder}: incomplete (no readable {TRAINER_STATE_NAME}; its save was cut short)",
+                file=sys.stderr,
+            )
         elif (problem := unreadable_checkpoint_file(folder)) is not None:
             print(f"skipping {folder}: {problem}", file=sys.stderr)
         else:

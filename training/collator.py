@@ -81,7 +81,10 @@ class DominoDataCollator:
             for row, example in enumerate(examples):
                 stored = self.feature_store[example["index"]]
                 if stored.shape[0] != len(example["input_ids"]):
-                    raise ValueError(f"example {example['index']} has {len(example['input_ids'])} tokens, its stored features {stored.shape[0]}")
+                    raise ValueError(
+                        f"example {example['index']} has {len(example['input_ids'])} tokens, "
+                        f"its stored features {stored.shape[0]}"
+                    )
                 features[row, : stored.shape[0]] = stored.float()
             batch["target_hidden"] = features
             if self.soft_targets:

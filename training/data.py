@@ -147,8 +147,10 @@ def _utf8_text(data: bytes, path: str, first_line: int = 1) -> str:
     except UnicodeDecodeError as error:
         line = first_line + data.count(b"\n", 0, error.start)
         converted = f"utf8{os.path.splitext(path)[1]}"
-        raise ValueError(f"{path}, line {line}: not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as "
-                         f"UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > {converted}`.") from None  # fmt: skip
+        raise ValueError(
+            f"{path}, line {line}: not UTF-8 text (byte 0x{data[error.start]:02x}); save the file as "
+            f"UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > {converted}`."
+        ) from None
 
 
 def _json_record(line: str | bytes, path: str, line_number: int) -> dict:
@@ -157,11 +159,15 @@ def _json_record(line: str | bytes, path: str, line_number: int) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg} at column {error.colno}); each "
-                         "line must be one JSON object.") from None  # fmt: skip
+        raise ValueError(
+            f"{path}, line {line_number}: not valid JSON ({error.msg} at column {error.colno}); each "
+            "line must be one JSON object."
+        ) from None
     if not isinstance(record, dict):
-        raise ValueError(f"{path}, line {line_number}: a JSON {type(record).__name__}, not an object; each line must "
-                         "be one JSON object.")  # fmt: skip
+        raise ValueError(
+            f"{path}, line {line_number}: a JSON {type(record).__name__}, not an object; each line must "
+            "be one JSON object."
+        )
     return record
 
 
@@ -204,8 +210,9 @@ def _check_same_generation(output_path: str, settings: dict) -> None:
     earlier = _recorded_generation(output_path)
     if earlier is None or earlier == settings:
         return
-    differences = ", ".join(f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in settings.items()
-                            if earlier.get(key) != value)  # fmt: skip
+    differences = ", ".join(
+        f"{key} {earlier.get(key)!r} (now {value!r})" for key, value in settings.items() if earlier.get(key) != value
+    )
     raise ValueError(
         f"{output_path} was regenerated with {differences}: one data file, one target and one set of settings. "
         "Resume with the same target and settings, or write to another --output."

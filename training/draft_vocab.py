@@ -1,6 +1,6 @@
 """`domino-spec draft-vocab`: give an existing draft a draft vocabulary, the most frequent tokens of regenerated data.
 
-    domino-spec draft-vocab DIR OUT --data FILE --size N
+domino-spec draft-vocab DIR OUT --data FILE --size N
 """
 
 import argparse

@@ -51,9 +51,9 @@ def export_sglang(draft_dir: str, output_dir: str) -> str:
         raise ValueError(f"{draft_dir} cannot be served by SGLang as exported: " + "; ".join(problems) + ".")
     if draft.config.draft_vocab_size is not None:
         warnings.warn(
-            f"{draft_dir} drafts from a vocabulary of {draft.config.draft_vocab_size} tokens, which the published format "
-            "cannot hold: the export drafts over the whole vocabulary (its residual zero outside the draft's), so it "
-            "may propose tokens this draft never does, and its acceptance can differ.",
+            f"{draft_dir} drafts from a vocabulary of {draft.config.draft_vocab_size} tokens, which the published "
+            "format cannot hold: the export drafts over the whole vocabulary (its residual zero outside the draft's), "
+            "so it may propose tokens this draft never does, and its acceptance can differ.",
             stacklevel=2,
         )
     auto_map = {"AutoModel": "modeling_domino.DominoDraftModel"}

@@ -102,7 +102,9 @@ class FeatureStore:
     def __init__(self, directory: str):
         index_path = os.path.join(directory, "index.json")
         if not os.path.exists(index_path):
-            raise FileNotFoundError(f"no feature store in {directory} (missing index.json): run `domino-spec cache-features`")
+            raise FileNotFoundError(
+                f"no feature store in {directory} (missing index.json): run `domino-spec cache-features`"
+            )
         with open(index_path, encoding="utf-8") as file:
             self.index = json.load(file)
         if "target" not in self.index:  # nothing to check a run's target against
@@ -111,7 +113,9 @@ class FeatureStore:
                 "into another --output"
             )
         if not self.index.get("complete"):
-            raise ValueError(f"the feature store in {directory} is incomplete: rerun `domino-spec cache-features` to finish it")
+            raise ValueError(
+                f"the feature store in {directory} is incomplete: rerun `domino-spec cache-features` to finish it"
+            )
         self.directory = directory
         self.layer_ids = self.index["layer_ids"]
         self.width = self.index["width"]
@@ -119,7 +123,10 @@ class FeatureStore:
         self.top_k = self.index.get("top_k", 0)
         self.features = self._read("features.bin", self.width)
         if self.top_k:
-            self.top_ids, self.top_probs = self._read("top_ids.bin", self.top_k), self._read("top_probs.bin", self.top_k)
+            self.top_ids, self.top_probs = (
+                self._read("top_ids.bin", self.top_k),
+                self._read("top_probs.bin", self.top_k),
+            )
 
     def _read(self, name: str, width: int) -> np.memmap:
         shape = (self.offsets[-1], width)
@@ -200,7 +207,9 @@ class FeatureStore:
                     )
                 index["width"] = features.shape[-1]
                 rows = {"features.bin": features}
-                rows.update({"top_ids.bin": computed.top_ids[0], "top_probs.bin": computed.top_probs[0]} if top_k else {})
+                rows.update(
+                    {"top_ids.bin": computed.top_ids[0], "top_probs.bin": computed.top_probs[0]} if top_k else {}
+                )
                 for name, values in rows.items():
                     outputs[name].write(values.cpu().numpy().astype(STORE_DTYPES[name]).tobytes())
                 index["offsets"].append(index["offsets"][-1] + features.shape[0])
@@ -229,7 +238,9 @@ def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:
     if previous.get("top_k", 0) != identity.get("top_k", 0):
         differences.append(f"soft targets of {previous.get('top_k', 0)} tokens, not {identity.get('top_k', 0)}")
     if previous.get("target") != identity["target"]:
-        differences.append("another target (or other weights of it)" if "target" in previous else "an unrecorded target")
+        differences.append(
+            "another target (or other weights of it)" if "target" in previous else "an unrecorded target"
+        )
     if differences:
         store = "a feature store" if previous.get("complete") else "an unfinished feature store"
         raise ValueError(

@@ -82,7 +82,9 @@ def weighted_cross_entropy(
     else:
         token_loss = soft_cross_entropy(logits, *soft_targets)  # [B, N, S]
     valid = (labels != IGNORE_INDEX).float() * weights
-    per_sequence = (token_loss * valid).view(batch_size, -1).sum(-1) / valid.view(batch_size, -1).sum(-1).clamp(min=1e-8)
+    per_sequence = (token_loss * valid).view(batch_size, -1).sum(-1) / valid.view(batch_size, -1).sum(-1).clamp(
+        min=1e-8
+    )
     return per_sequence.mean()
 
 

@@ -312,10 +312,13 @@ def bench_settings(config: dict) -> str:
     if isinstance(prompts, dict) and len(set(prompts.values())) == 1:
         settings.append(f"the first {next(iter(prompts.values()))} prompts of each set")
     described = config.get("method_descriptions") or {}
-    methods = ", ".join(f"{name} ({described[name]})" if name in described else name
-                        for name in config.get("methods", []))  # fmt: skip
-    return (f"{', '.join(settings)}. Speedup is over plain decoding of the same prompts in the same loop "
-            f"(plain-native for the native engine's methods). Methods: {methods}.")
+    methods = ", ".join(
+        f"{name} ({described[name]})" if name in described else name for name in config.get("methods", [])
+    )
+    return (
+        f"{', '.join(settings)}. Speedup is over plain decoding of the same prompts in the same loop "
+        f"(plain-native for the native engine's methods). Methods: {methods}."
+    )
 
 
 # ---------------------------------------------------------------------- the card
@@ -390,10 +393,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--datasets", default=None, help="comma-separated Hub dataset ids used for training")
     parser.add_argument("--bench", default=None, help="a bench_results.json to copy into DIR and show")
     parser.add_argument(
-        "--push-to-hub", default=None, metavar="REPO",
+        "--push-to-hub",
+        default=None,
+        metavar="REPO",
         help="upload DIR to this Hub repo afterwards: only its root's *.safetensors, *.json, *.py and README.md "
         "(no pickles such as training_args.bin, which holds any --hub_token; no checkpoint-N folders)",
-    )  # fmt: skip
+    )
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
     args = parser.parse_args(argv)
     bench_copy = os.path.join(args.folder, BENCH_RESULTS)

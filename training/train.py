@@ -122,8 +122,11 @@ def build_draft(draft_args: DraftArguments, target, tokenizer, dataset=None) -> 
     shape = draft_shape(draft_args)
     if draft_args.init_from:
         draft = load_draft(draft_args.init_from)
-        conflicts = [f"{name}={value} (the draft has {getattr(draft.config, name)})"
-                     for name, value in shape.items() if getattr(draft.config, name) != value]  # fmt: skip
+        conflicts = [
+            f"{name}={value} (the draft has {getattr(draft.config, name)})"
+            for name, value in shape.items()
+            if getattr(draft.config, name) != value
+        ]
         if conflicts:
             raise ValueError(
                 f"--init_from {draft_args.init_from}: the draft's shape is fixed, but the flags ask for "
@@ -150,19 +153,24 @@ def read_config_file(path: str) -> dict:
         with open(path, encoding="utf-8") as file:
             values = yaml.safe_load(file)
     except UnicodeDecodeError as error:
-        raise ValueError(f"--config {path} is not UTF-8 text ({error.reason} at byte {error.start}): "
-                         "save it as UTF-8.") from None  # fmt: skip
+        raise ValueError(
+            f"--config {path} is not UTF-8 text ({error.reason} at byte {error.start}): save it as UTF-8."
+        ) from None
     except yaml.YAMLError as error:  # the line and column it points at
         where = getattr(error, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         reason = getattr(error, "problem", None) or error
-        raise ValueError(f"--config {path} is not valid YAML ({reason}{at}): fix the file, whose keys are "
-                         "train's flag names (`learning_rate: 0.0006`).") from None  # fmt: skip
+        raise ValueError(
+            f"--config {path} is not valid YAML ({reason}{at}): fix the file, whose keys are "
+            "train's flag names (`learning_rate: 0.0006`)."
+        ) from None
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ValueError(f"--config {path} holds a {type(values).__name__}, not a mapping of flag names to values: "
-                         "write one `flag_name: value` per line (`learning_rate: 0.0006`).")  # fmt: skip
+        raise ValueError(
+            f"--config {path} holds a {type(values).__name__}, not a mapping of flag names to values: "
+            "write one `flag_name: value` per line (`learning_rate: 0.0006`)."
+        )
     return values
 
 
@@ -190,8 +198,10 @@ def parse_train_arguments(
         flags = {action.dest for action in parser._actions}
         unknown = sorted(set(values) - flags)
         if unknown:
-            hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, flags, 1)) else key
-                     for key in unknown]  # fmt: skip
+            hints = [
+                f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, flags, 1)) else key
+                for key in unknown
+            ]
             raise ValueError(f"{known.config}: unknown keys {', '.join(hints)}; keys are the flag names of `train`.")
         parser.set_defaults(**values)
         for action in parser._actions:  # a value from the file satisfies a required flag
@@ -204,8 +214,10 @@ def parse_train_arguments(
 def main(argv: list[str]) -> None:
     draft_args, training_args = parse_train_arguments(argv)
     if training_args.eval_strategy != "no" and not draft_args.eval_data:
-        raise ValueError(f"--eval_strategy {training_args.eval_strategy.value} needs held-out data: add --eval_data "
-                         "(a regenerated .jsonl, as --data).")  # fmt: skip
+        raise ValueError(
+            f"--eval_strategy {training_args.eval_strategy.value} needs held-out data: add --eval_data "
+            "(a regenerated .jsonl, as --data)."
+        )
     set_seed(training_args.seed)
     target, tokenizer, dataset, eval_dataset = load_target_and_data(draft_args)
     data_summary = {**summarize(dataset), "generation": generation_settings(draft_args.data)}
@@ -218,8 +230,10 @@ def main(argv: list[str]) -> None:
     if finished:
         problem = final_draft_problem(training_args.output_dir, checkpoint)
         if problem is None:
-            print(f"{training_args.output_dir} already holds the draft of a finished run ({checkpoint}); raise "
-                  "--max_steps to train on, or --restart to start over.")  # fmt: skip
+            print(
+                f"{training_args.output_dir} already holds the draft of a finished run ({checkpoint}); raise "
+                "--max_steps to train on, or --restart to start over."
+            )
             return
         print(f"{checkpoint} ends the run, but {problem}: saving its draft again", file=sys.stderr)
     feature_store = None
@@ -242,8 +256,11 @@ def main(argv: list[str]) -> None:
         trainer.train(resume_from_checkpoint=checkpoint)
         stopped_by = trainer.stop_on_signal.received
         if stopped_by is not None:
-            print(f"{stopped_by.name}: stopped at step {trainer.state.global_step} with a checkpoint in "
-                  f"{training_args.output_dir}; rerun the same command to resume.", file=sys.stderr)  # fmt: skip
+            print(
+                f"{stopped_by.name}: stopped at step {trainer.state.global_step} with a checkpoint in "
+                f"{training_args.output_dir}; rerun the same command to resume.",
+                file=sys.stderr,
+            )
             raise SystemExit(128 + stopped_by.value)
     trainer.save_model(training_args.output_dir)
     print(f"saved the draft to {training_args.output_dir}")

@@ -28,7 +28,9 @@ class DominoTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the Domino recipe. Defaults follow the published recipe (AdamW, lr 6e-4, cosine,
     warmup 4%, grad clip 1.0, lambda 1 -> 0 over the whole run)."""
 
-    lambda_start: float = field(default=1.0, metadata={"help": "Base-loss weight at step 0 (0 disables the curriculum)."})
+    lambda_start: float = field(
+        default=1.0, metadata={"help": "Base-loss weight at step 0 (0 disables the curriculum)."}
+    )
     decay_ratio: float = field(default=1.0, metadata={"help": "Fraction of the steps over which lambda falls to 0."})
     num_anchors: int = field(
         default=256,
@@ -159,8 +161,13 @@ def _with_training_collator(dataloader, args: DominoTrainingArguments, draw_anch
     bringing the stored soft targets they train on."""
     loader = _torch_dataloader(dataloader)
     if isinstance(loader.collate_fn, DominoDataCollator):
-        loader.collate_fn = replace(loader.collate_fn, num_anchors=args.num_anchors, anchor_seed=args.seed,
-                                    draw_anchors=draw_anchors, soft_targets=args.soft_targets)  # fmt: skip
+        loader.collate_fn = replace(
+            loader.collate_fn,
+            num_anchors=args.num_anchors,
+            anchor_seed=args.seed,
+            draw_anchors=draw_anchors,
+            soft_targets=args.soft_targets,
+        )
     return dataloader
 
 
@@ -195,8 +202,14 @@ class DominoTrainer(Trainer):
     stops (`stop_on_signal.received` then names the signal).
     """
 
-    def __init__(self, model: PreTrainedModel, target: PreTrainedModel, args: DominoTrainingArguments,
-                 data_summary: dict | None = None, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        target: PreTrainedModel,
+        args: DominoTrainingArguments,
+        data_summary: dict | None = None,
+        **kwargs,
+    ):
         if args.remove_unused_columns:
             raise ValueError("DominoTrainer needs remove_unused_columns=False (anchors and loss masks are inputs).")
         model.check_target(target)

@@ -105,8 +105,11 @@ def check_piece(manifest: dict, expected: dict, prompt_lines: list[str] | None =
     `expected`, or (given the prompts file's lines) from other prompts than piece N's today."""
     name = piece_name(manifest["piece"])
     if manifest["fingerprint"] != expected:
-        differing = sorted(k for k in expected.keys() | manifest["fingerprint"].keys()
-                           if manifest["fingerprint"].get(k) != expected.get(k))  # fmt: skip
+        differing = sorted(
+            k
+            for k in expected.keys() | manifest["fingerprint"].keys()
+            if manifest["fingerprint"].get(k) != expected.get(k)
+        )
         raise ValueError(
             f"{name} was regenerated with another {', '.join(differing)} than the current target's "
             f"({manifest['fingerprint']} vs {expected}): training on it would teach another model's outputs. "
@@ -154,17 +157,37 @@ def regenerate_piece(prompts: list[str], records_path: str) -> dict:
     prompts_path = records_path.replace(".jsonl", ".prompts.jsonl")
     with open(prompts_path, "w", encoding="utf-8") as file:
         file.writelines(prompts)
-    command = ["domino-spec", "generate-data", "--target", TARGET, "--prompts", prompts_path, "--output", records_path,
-               "--batch-size", str(BATCH_SIZE), "--max-new-tokens", str(GENERATION["max_new_tokens"]),
-               "--temperature", str(GENERATION["temperature"]), "--max-prompt-tokens",
-               str(GENERATION["max_prompt_tokens"]), "--seed", str(GENERATION["seed"])]  # fmt: skip
+    command = [
+        "domino-spec",
+        "generate-data",
+        "--target",
+        TARGET,
+        "--prompts",
+        prompts_path,
+        "--output",
+        records_path,
+        "--batch-size",
+        str(BATCH_SIZE),
+        "--max-new-tokens",
+        str(GENERATION["max_new_tokens"]),
+        "--temperature",
+        str(GENERATION["temperature"]),
+        "--max-prompt-tokens",
+        str(GENERATION["max_prompt_tokens"]),
+        "--seed",
+        str(GENERATION["seed"]),
+    ]
     start, cpu_start = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(command, check=True)
     cpu_end = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_seconds = (cpu_end.ru_utime - cpu_start.ru_utime) + (cpu_end.ru_stime - cpu_start.ru_stime)
     # A resumed piece's earlier work is not counted: these are this run's costs, on a machine maybe shared.
-    return {"wall_seconds": round(time.time() - start, 1), "cpu_seconds": round(cpu_seconds, 1),
-            "batch_size": BATCH_SIZE, "cpus": os.cpu_count()}  # fmt: skip
+    return {
+        "wall_seconds": round(time.time() - start, 1),
+        "cpu_seconds": round(cpu_seconds, 1),
+        "batch_size": BATCH_SIZE,
+        "cpus": os.cpu_count(),
+    }
 
 
 def git_commit(paths: list[str], message: str, attempts: int = 5) -> None:
@@ -195,8 +218,11 @@ def regenerate(args: argparse.Namespace) -> None:
         records_path = os.path.join(args.work, f"{piece_name(index)}.jsonl")
         cost = regenerate_piece(prompts, records_path)
         paths = write_piece(records_path, index, prompts, expected, cost, args.data_dir)
-        print(f"{piece_name(index)}: {len(prompts)} prompts in {cost['wall_seconds'] / 60:.1f} min "
-              f"({cost['cpu_seconds'] / 3600:.2f} CPU-hours) -> {paths[0]}", flush=True)  # fmt: skip
+        print(
+            f"{piece_name(index)}: {len(prompts)} prompts in {cost['wall_seconds'] / 60:.1f} min "
+            f"({cost['cpu_seconds'] / 3600:.2f} CPU-hours) -> {paths[0]}",
+            flush=True,
+        )
         if args.commit:
             first, last = index * PIECE_SIZE, index * PIECE_SIZE + len(prompts) - 1
             message = f"SmolLM2-135M recipe: regenerated {piece_name(index)} (prompts {first}-{last})"

@@ -88,8 +88,10 @@ def main() -> None:
     write_jsonl(args.output, training)
     if args.held_out_output:
         write_jsonl(args.held_out_output, held_out)
-    print(f"{len(training)} training prompts ({len(first)} of the original pool first), {len(held_out)} held out; "
-          f"0 overlap with {len(evaluation)} evaluation prompts -> {args.output}")  # fmt: skip
+    print(
+        f"{len(training)} training prompts ({len(first)} of the original pool first), {len(held_out)} held out; "
+        f"0 overlap with {len(evaluation)} evaluation prompts -> {args.output}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Ship a trained draft: bf16 safetensors, config, model code and model card in `checkpoints/domino-smollm2-135m`.
 
-    python recipes/smollm2-135m/ship.py runs/smollm2/domino checkpoints/domino-smollm2-135m [--bench FILE]
+python recipes/smollm2-135m/ship.py runs/smollm2/domino checkpoints/domino-smollm2-135m [--bench FILE]
 """
 
 import argparse
@@ -14,7 +14,8 @@ import torch
 from domino_spec import modeling_domino
 from domino_spec.assets import TARGETS
 from domino_spec.published_format import load_draft
-from domino_spec.training.model_card import TRAINING_SUMMARY, main as write_card
+from domino_spec.training.model_card import TRAINING_SUMMARY
+from domino_spec.training.model_card import main as write_card
 
 MAX_BYTES = 30 * 2**20  # the repository's budget for an embedded checkpoint
 

@@ -1,0 +1,401 @@
+"""The cost-aware draft length: how many of a block's drafts to verify, whether a round drafts at all, and prompt
+lookup rounds, with the costs learned from the process's own rounds.
+
+A verify pass over the anchor and k drafts takes `verify_seconds[k]`, which on a CPU grows with k, and commits in
+expectation `1 + sum_{i<=k} c_1 ... c_i` tokens, `c_i` the draft's confidence in its i-th token (the probability
+its distribution gives its most likely token). `choose_draft_length` picks the k with the most expected tokens per
+second, `(1 + sum ...) / (draft_seconds + verify_seconds[k])`. When sampling, it adds drafts while they raise that
+rate instead: whether draft i is verified then depends on the confidences of drafts 1..i only, properties of the
+distributions the draft samples from (which depend on the drafts before i, never on draft i itself), a stopping rule
+under which exact speculative sampling stays exact. A round drafts at all only when rounds like the recent ones beat
+a plain decode step (`CostAwareDrafting`): it would pay for the drafting round even if it then verified no draft.
+The costs are learned from the process's own rounds as it decodes (`CostModel`), starting from a prior: no call
+measures anything up front.
+Where the context's last tokens occurred before, the tokens that followed them there cost no drafting at all
+(`prompt_lookup`); a round verifies them instead of drafts where the run's earlier such rounds say that pays more.
+
+Part of the package, not of a checkpoint: a checkpoint's `generate(assistant_model=draft)` uses it where the package
+is installed (`generation_domino.py`), and verifies whole blocks without it.
+"""
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from .drafting import DraftCosts, DraftingOptions
+
+
+def expected_rates(reach: torch.Tensor, costs: DraftCosts) -> list[float]:
+    """The expected tokens per second of a round verifying k = 0..S tokens after the anchor, for `reach` `[B, S]`,
+    the probability that each row accepts its i-th verified token (in a chain, the product of the confidences up to
+    it; in a tree, its path's), every row verifying the same number, and the round's costs (the verify cost taken
+    non-decreasing in k, so one noisy measurement cannot make a longer pass look cheaper)."""
+    expected, seconds = _expected_tokens_and_seconds(reach, costs)
+    return (expected / seconds).tolist()
+
+
+def _expected_tokens_and_seconds(reach: torch.Tensor, costs: DraftCosts) -> tuple[torch.Tensor, torch.Tensor]:
+    num_drafts = min(reach.shape[1], len(costs.verify_seconds) - 1)
+    accepted = reach[:, :num_drafts].double().nan_to_num(0.0).sum(dim=0)  # [S]; NaN: a slot with no finite logit
+    expected = reach.shape[0] + torch.cat([accepted.new_zeros(1), accepted.cumsum(0)])  # [S + 1]: for k = 0..S
+    seconds = costs.draft_seconds + torch.tensor(costs.verify_seconds[: num_drafts + 1]).cummax(0).values
+    return expected, seconds
+
+
+def choose_draft_length(confidence: torch.Tensor, costs: DraftCosts, look_ahead: bool = False) -> int:
+    """How many of the drafts to verify, by `expected_rates`: the most expected tokens per second, or, where no
+    length beats a plain decode step (the drafting round is already paid), the length that loses least against
+    plain steps in the same time (the most expected tokens beyond what plain steps would commit meanwhile).
+
+    Adds drafts while each raises that measure: a stopping rule, which exact sampling needs (a draft's confidence
+    depends on the drafts before it). With `look_ahead`, for greedy decoding and for tokens not drawn from the
+    draft, the best length over all lengths (a CPU's verify cost can jump at two drafts and stay flat after, where
+    only a longer block pays).
+    """
+    reach = confidence.double().nan_to_num(0.0).cumprod(dim=1)
+    if look_ahead:
+        return _best_length(reach, costs)
+    expected, seconds = _expected_tokens_and_seconds(reach, costs)
+    plain_rate = reach.shape[0] / costs.verify_seconds[0]  # tokens per second of plain steps, every row
+    num_drafts = 0
+    while num_drafts + 1 < len(expected):
+        rate = max(plain_rate, float(expected[num_drafts] / seconds[num_drafts]))
+        gained = expected[num_drafts + 1] - expected[num_drafts]
+        if gained <= rate * (seconds[num_drafts + 1] - seconds[num_drafts]):
+            break
+        num_drafts += 1
+    return num_drafts
+
+
+def _best_length(reach: torch.Tensor, costs: DraftCosts) -> int:
+    """The k with the most expected tokens per second, or the fewest lost against plain steps where none beats them
+    (`choose_draft_length` looking ahead)."""
+    expected, seconds = _expected_tokens_and_seconds(reach, costs)
+    rate = max(reach.shape[0] / costs.verify_seconds[0], float((expected / seconds).max()))
+    return _fastest((expected - rate * seconds).tolist())
+
+
+def _fastest(rates: list[float]) -> int:
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))  # the shortest of equally fast lengths
+
+
+def prompt_lookup(sequence: torch.Tensor, max_ngram_size: int, max_tokens: int) -> tuple[torch.Tensor, int]:
+    """The tokens `[L]` (at most `max_tokens`) that followed the latest earlier occurrence of the last n tokens of
+    `sequence` `[T]`, for the largest n <= `max_ngram_size` that occurred before, and n; an empty tensor and 0 where
+    none did (prompt lookup decoding: text often repeats its prompt or itself)."""
+    for size in range(min(max_ngram_size, sequence.shape[0] - 1), 0, -1):
+        windows = sequence[:-1].unfold(0, size, 1)  # [T - size, size]: the n-grams a token follows
+        starts = (windows == sequence[-size:]).all(-1).nonzero().flatten()
+        if starts.numel() > 0:
+            start = int(starts[-1]) + size
+            return sequence[start : start + max_tokens], size
+    return sequence[:0], 0
+
+
+# Until a run has timed them, a verify pass over k drafts is taken to cost (1 + k / 10) decode steps and a drafting
+# round a quarter of one: about this CPU's curve for a small target (BENCHMARKS.md), and optimistic enough that a run
+# tries drafting and so times what it really costs.
+PRIOR_VERIFY_STEPS_PER_DRAFT = 0.1
+PRIOR_DRAFT_STEPS = 0.25
+NEW_TIMING_WEIGHT = 0.3  # each timing's weight in the running estimate: recent rounds count most (machine load moves)
+MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate: a stall is not the machine's speed
+# (a pessimistic estimate is never corrected, since the count it makes look dear is not verified again)
+MAX_TIMING_COUNT = 8  # how much a draft count's estimate weighs against its neighbours' when they disagree
+
+
+class CostModel:
+    """What a round costs at one batch size, learned from a process's own verify passes and drafting rounds, so no
+    call pays an up-front measurement: a running average of the timings of each draft count, fitted non-decreasing
+    in the count (a count timed once after a stall is pooled with the often-timed counts around it), and where a
+    count was never timed the prior shape (`PRIOR_VERIFY_STEPS_PER_DRAFT`) scaled to the nearest timed count. Every
+    decision weighs ratios of costs, so before any timing the prior alone decides."""
+
+    def __init__(self, num_drafts: int):
+        self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
+        self.verify_counts = [0] * (num_drafts + 1)
+        self.draft_seconds: float | None = None
+
+    def observe_verify(self, num_drafts: int, seconds: float) -> None:
+        previous = self.verify_seconds[num_drafts]
+        if previous is None and self.knows_plain_step:  # a first timing, weighed against what the others predict
+            seconds = min(seconds, MAX_TIMING_JUMP * self.costs().verify_seconds[num_drafts])
+        self.verify_seconds[num_drafts] = _average(previous, seconds)
+        self.verify_counts[num_drafts] = min(self.verify_counts[num_drafts] + 1, MAX_TIMING_COUNT)
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_seconds = _average(self.draft_seconds, seconds)
+
+    @property
+    def knows_plain_step(self) -> bool:
+        """Whether a plain decode step was timed: the cost every alternative is weighed against."""
+        return self.verify_seconds[0] is not None
+
+    def costs(self) -> DraftCosts:
+        timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
+        fitted = dict(
+            zip(
+                timed,
+                nondecreasing_fit([self.verify_seconds[k] for k in timed], [self.verify_counts[k] for k in timed]),
+            )
+        )
+        verify = []
+        for k in range(len(self.verify_seconds)):
+            if k not in fitted:
+                nearest = min(timed, key=lambda j: (abs(j - k), j), default=None)
+                scale = 1.0 if nearest is None else fitted[nearest] / _prior_steps(nearest)
+            verify.append(fitted[k] if k in fitted else scale * _prior_steps(k))
+        draft = self.draft_seconds if self.draft_seconds is not None else PRIOR_DRAFT_STEPS * verify[0]
+        return DraftCosts(tuple(verify), draft)
+
+
+def nondecreasing_fit(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_a, weight_a, length_a), (mean_b, weight_b, length_b) = blocks.pop(-2), blocks.pop()
+            total = weight_a + weight_b
+            blocks.append([(mean_a * weight_a + mean_b * weight_b) / total, total, length_a + length_b])
+    return [mean for mean, _, length in blocks for _ in range(length)]
+
+
+def _prior_steps(num_drafts: int) -> float:
+    return 1.0 + PRIOR_VERIFY_STEPS_PER_DRAFT * num_drafts
+
+
+def _average(previous: float | None, seconds: float) -> float:
+    if previous is None:
+        return seconds
+    return (1 - NEW_TIMING_WEIGHT) * previous + NEW_TIMING_WEIGHT * min(seconds, MAX_TIMING_JUMP * previous)
+
+
+class FixedCosts(CostModel):
+    """A cost model that keeps the costs it was given (`DraftingOptions.draft_costs`): timings change nothing."""
+
+    def __init__(self, costs: DraftCosts):
+        self._costs = costs
+
+    def observe_verify(self, num_drafts: int, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, seconds: float) -> None:
+        pass
+
+    knows_plain_step = True
+
+    def costs(self) -> DraftCosts:
+        return self._costs
+
+
+class CostAwareDrafting:
+    """The cost-aware draft length of a process's runs with one draft: before a round, whether to draft it, verify
+    the tokens that followed a repeat of the context instead, or decode plainly (`plan`); after drafting, how many of
+    the drafts to verify (`length`); after verifying, how far the tokens were accepted and what the pass took
+    (`accepted`). A call goes on from the rounds of the calls before it.
+
+    A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
+    with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
+    second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or
+    more where a drafting round costs so much of a step that looking would take over `EXPLORATION_SHARE` of the
+    time (a wide batch). A
+    draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
+    run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far its
+    tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
+    Costs come from `cost_models(batch_size)`, which learn from the timings the runs report. Every decision depends
+    on earlier rounds, the committed tokens and the distributions of the drafts up to the one decided, so sampling
+    stays exact.
+    """
+
+    MAX_SKIPPED = 16
+    EXPLORATION_SHARE = 0.02
+
+    def __init__(self, costs: DraftCosts | Callable[[int], CostModel], prompt_lookup: int = 0, do_sample: bool = False):
+        if isinstance(costs, DraftCosts):
+            fixed = FixedCosts(costs)
+            self.cost_models: Callable[[int], CostModel] = lambda batch_size: fixed
+        else:
+            self.cost_models = costs
+        self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
+        self.expected: torch.Tensor | None = None  # [S]: recent rounds' calibrated reach (`expected_rates`), per token
+        self.pays, self.skipped, self.wait = True, 0, 1
+        # Drafts accepted, and the probability the draft predicted for them summed, over drafts verified with all
+        # before them accepted (a chain's confidences) or over every node (a tree's path probabilities). Both start
+        # at 2: a prior of a calibrated draft.
+        self.hits, self.predicted = 2.0, 2.0
+        self.predictions: torch.Tensor | None = None  # [B, S]: the last drafted round's, until it is verified
+        self.tree = False  # whether those are a tree's path probabilities
+        self.max_ngram_size = prompt_lookup
+        num_drafts = len(self.cost_models(1).costs().verify_seconds) - 1
+        # Per matched n-gram size and position: looked-up tokens accepted, and verified with all before them accepted.
+        # The counts start at one of two, a prior of one half.
+        self.lookup_accepted = torch.ones(prompt_lookup, num_drafts, dtype=torch.float64)
+        self.lookup_reached = torch.full((prompt_lookup, num_drafts), 2.0, dtype=torch.float64)
+        self.looked_up: list[int] = []  # the n-gram size of each row of the last looked-up round, empty after drafting
+
+    @property
+    def calibration(self) -> float:
+        """Accepted drafts per unit of predicted confidence, over the run's verified drafts so far."""
+        return self.hits / self.predicted
+
+    def plan(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
+        """Before a round, given each row's committed tokens: None to draft it; else the tokens `[B, k]` to verify
+        instead, k <= `limit`: those that followed an earlier occurrence of each row's last tokens
+        (`prompt_lookup`) where verifying them is expected to commit tokens faster than drafting or a plain step,
+        or none (k = 0) for a plain step, which the first round at a batch size is: it times the step that every
+        other choice is weighed against."""
+        cost_model = self.cost_models(len(sequences))
+        if not cost_model.knows_plain_step:
+            return sequences[0].new_zeros(len(sequences), 0)
+        costs = cost_model.costs()
+        if self.expected is not None:  # at this batch size's costs, which the last round may have changed
+            self.pays = self._drafting_pays(costs)
+        looked_up = self._look_up(sequences, limit, costs)
+        if looked_up is None and (self.pays or self.skipped >= self.wait):
+            return None
+        self.skipped += 1
+        return looked_up if looked_up is not None else sequences[0].new_zeros(len(sequences), 0)
+
+    def _look_up(self, sequences: list[torch.Tensor], limit: int, costs: DraftCosts) -> torch.Tensor | None:
+        self.looked_up = []
+        if self.max_ngram_size == 0 or limit == 0:
+            return None
+        found, lengths = [], []
+        for sequence in sequences:
+            tokens, size = prompt_lookup(sequence, self.max_ngram_size, limit)
+            length = self._lookup_length(size, tokens.shape[0], costs) if size else 0
+            if length == 0:
+                return None
+            found.append((tokens, size))
+            lengths.append(length)
+        self.looked_up = [size for _, size in found]
+        return torch.stack([tokens[: min(lengths)] for tokens, _ in found])
+
+    def drafted(self, seconds: float, batch_size: int) -> None:
+        """A drafting round of `batch_size` rows took `seconds`."""
+        self.cost_models(batch_size).observe_draft(seconds)
+
+    def length(self, confidence: torch.Tensor, limit: int) -> int:
+        """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
+        calibrated = self._predicted(confidence, tree=False)
+        costs = self._remember(calibrated.cumprod(dim=1))
+        return min(limit, choose_draft_length(calibrated, costs, self.look_ahead))
+
+    def tree_size(self, path_probs: torch.Tensor) -> int:
+        """After growing a tree: how many of its nodes to verify, given each row's nodes in the order they were
+        added (so every prefix is a tree) and `path_probs` `[B, N]`, the probability the draft gives the path to
+        each. The prefix `choose_draft_length` would pick looking ahead."""
+        reach = self._predicted(path_probs, tree=True)
+        return _best_length(reach, self._remember(reach))
+
+    def _predicted(self, probs: torch.Tensor, tree: bool) -> torch.Tensor:
+        """The round's predicted probabilities, kept until verified, and calibrated."""
+        self.predictions, self.tree = probs.double().nan_to_num(0.0).cpu(), tree  # NaN: a slot with no finite logit
+        return (self.predictions * self.calibration).clamp(max=1.0)
+
+    def _remember(self, reach: torch.Tensor) -> DraftCosts:
+        """Fold a drafted round's `reach` `[B, S]` into the recent rounds' and decide whether drafting pays; returns
+        the costs at its batch size."""
+        costs = self.cost_models(reach.shape[0]).costs()
+        recent = reach.mean(0)
+        self.expected = recent if self.expected is None else (self.expected + recent) / 2
+        self.pays = self._drafting_pays(costs)
+        looks = math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
+        longest = max(self.MAX_SKIPPED, looks)
+        self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, longest)
+        return costs
+
+    def _drafting_pays(self, costs: DraftCosts) -> bool:
+        """Whether a round with the recent rounds' reach commits tokens faster than a plain step."""
+        return max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
+
+    def accepted(self, num_verified: int, num_accepted: list[int], seconds: float | None = None) -> None:
+        """After verifying: how many of the `num_verified` tokens each row accepted, and, if timed, the seconds the
+        verify pass (with acceptance) took."""
+        if seconds is not None:
+            self.cost_models(len(num_accepted)).observe_verify(num_verified, seconds)
+        positions = torch.arange(num_verified)
+        accepted = torch.tensor(num_accepted)[:, None]
+        reached, hit = positions <= accepted, positions < accepted  # [B, k]
+        for size, row_reached, row_hit in zip(self.looked_up, reached, hit):
+            self.lookup_reached[size - 1, :num_verified] += row_reached.double()
+            self.lookup_accepted[size - 1, :num_verified] += row_hit.double()
+        if self.predictions is not None and not self.looked_up:
+            predictions = self.predictions[:, :num_verified]
+            self.predicted += float(predictions.sum() if self.tree else (predictions * reached).sum())
+            self.hits += float(hit.sum())
+        self.looked_up, self.predictions = [], None
+
+    def _lookup_length(self, ngram_size: int, num_tokens: int, costs: DraftCosts) -> int:
+        """How many of `num_tokens` looked-up tokens to verify: 0 where a drafting round (if it pays) or a plain step
+        is expected to commit tokens faster."""
+        rates = self.lookup_accepted[ngram_size - 1, :num_tokens] / self.lookup_reached[ngram_size - 1, :num_tokens]
+        looked_up = expected_rates(rates.cumprod(0)[None], DraftCosts(costs.verify_seconds, 0.0))  # no drafting
+        best_other = 1 / costs.verify_seconds[0]
+        if self.pays and self.expected is not None:
+            best_other = max(best_other, *expected_rates(self.expected[None], costs))
+        best = _fastest(looked_up)
+        return best if looked_up[best] > best_other else 0
+
+
+class _Learned:
+    """What the runs of one target and draft under one set of round options learned in this process: the cost
+    models per batch size, and the cost-aware draft lengths per prompt-lookup size and sampling (their recent
+    acceptance, calibration and skipping), so each call goes on from the last instead of learning again."""
+
+    def __init__(self, num_drafts: int):
+        self.num_drafts = num_drafts
+        self.cost_models: dict[int, CostModel] = {}
+        self.drafting: dict[tuple[int, bool], CostAwareDrafting] = {}
+
+    def cost_model(self, batch_size: int) -> CostModel:
+        if batch_size not in self.cost_models:
+            self.cost_models[batch_size] = CostModel(self.num_drafts)
+        return self.cost_models[batch_size]
+
+
+_learned: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def _learned_with(target, draft, options: DraftingOptions) -> _Learned:
+    round_options = replace(options, draft_length="auto", draft_costs=None, prompt_lookup=0)  # what a round runs
+    per_draft = _learned.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
+    key = (round_options, str(target.device), target.dtype)
+    if key not in per_draft:
+        per_draft[key] = _Learned(max(draft.config.num_draft_tokens, options.tree_nodes))
+    return per_draft[key]
+
+
+def learned_costs(target, draft, options: DraftingOptions | None = None) -> Callable[[int], CostModel]:
+    """The cost models of rounds with `target` and `draft` under `options`, per batch size, learned by every run in
+    this process: a later call starts from what earlier ones timed. Options that only choose what to verify (the
+    draft length, its costs, prompt lookup) share them."""
+    return _learned_with(target, draft, options or draft.drafting_options).cost_model
+
+
+def forget_draft_costs(model: torch.nn.Module) -> None:
+    """Drop the costs learned with `model`, a target or a draft (after it changed: `optimize_for_cpu`, compiled
+    drafting, another device)."""
+    _learned.pop(model, None)
+    for drafts in _learned.values():
+        drafts.pop(model, None)
+
+
+def cost_aware_drafting(target, draft, options: DraftingOptions, do_sample: bool = False) -> CostAwareDrafting | None:
+    """The cost-aware draft length of a run (sampling or not): with the given costs a new one, else the one this
+    process's earlier runs with `target` and `draft` left (`learned_costs`); None where `options` verify every
+    draft."""
+    if not options.cost_aware(target.device):
+        return None
+    if options.draft_costs is not None:
+        return CostAwareDrafting(options.draft_costs, options.prompt_lookup, do_sample)
+    learned = _learned_with(target, draft, options)
+    key = (options.prompt_lookup, do_sample)
+    if key not in learned.drafting:
+        learned.drafting[key] = CostAwareDrafting(learned.cost_model, options.prompt_lookup, do_sample)
+    drafting = learned.drafting[key]
+    drafting.predictions, drafting.looked_up = None, []  # a call that stopped mid-round left them
+    return drafting
