@@ -235,26 +235,29 @@ class CostAwareDrafting:
         self.lookup_accepted = torch.ones(prompt_lookup, num_drafts, dtype=torch.float64)
         self.lookup_reached = torch.full((prompt_lookup, num_drafts), 2.0, dtype=torch.float64)
         self.looked_up: list[int] = []  # the n-gram size of each row of the last looked-up round, empty after drafting
+        self.branches: list[tuple[int, torch.Tensor]] = []  # each row's (n-gram size, tokens) of a tree round
 
     @property
     def calibration(self) -> float:
         """Accepted drafts per unit of predicted confidence, over the run's verified drafts so far."""
         return self.hits / self.predicted
 
-    def plan(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None:
+    def plan(self, sequences: list[torch.Tensor], limit: int, tree: bool = False) -> torch.Tensor | None:
         """Before a round, given each row's committed tokens: None to draft it; else the tokens `[B, k]` to verify
         instead, k <= `limit`: those that followed an earlier occurrence of each row's last tokens
         (`prompt_lookup`) where verifying them is expected to commit tokens faster than drafting or a plain step,
         or none (k = 0) for a plain step, which the first round at a batch size is: it times the step that every
-        other choice is weighed against."""
+        other choice is weighed against. A `tree` round that drafts takes the looked-up tokens as one of its
+        branches instead (`lookup_branch`)."""
         cost_model = self.cost_models(len(sequences))
         if not cost_model.knows_plain_step:
             return sequences[0].new_zeros(len(sequences), 0)
         costs = cost_model.costs()
         if self.expected is not None:  # at this batch size's costs, which the last round may have changed
             self.pays = self._drafting_pays(costs)
-        looked_up = self._look_up(sequences, limit, costs)
-        if looked_up is None and (self.pays or self.skipped >= self.wait):
+        drafts = self.pays or self.skipped >= self.wait
+        looked_up = None if tree and drafts else self._look_up(sequences, limit, costs)
+        if looked_up is None and drafts:
             return None
         self.skipped += 1
         return looked_up if looked_up is not None else sequences[0].new_zeros(len(sequences), 0)
@@ -273,6 +276,13 @@ class CostAwareDrafting:
             lengths.append(length)
         self.looked_up = [size for _, size in found]
         return torch.stack([tokens[: min(lengths)] for tokens, _ in found])
+
+    def lookup_branch(self, sequences: list[torch.Tensor], limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For a tree round: each row's looked-up tokens `[L]` (`prompt_lookup`; L <= `limit`, 0 where none) and
+        the probability `[L]` of accepting each with those before it, from the run's earlier looked-up tokens. How
+        far the branch would have been accepted is learned from the committed tokens (`accepted`)."""
+        self.branches = [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
+        return [(tokens, self._lookup_reach(size, tokens.shape[0])) for size, tokens in self.branches]
 
     def drafted(self, seconds: float, batch_size: int) -> None:
         """A drafting round of `batch_size` rows took `seconds`."""
@@ -312,9 +322,16 @@ class CostAwareDrafting:
         """Whether a round with the recent rounds' reach commits tokens faster than a plain step."""
         return max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
 
-    def accepted(self, num_verified: int, num_accepted: list[int], seconds: float | None = None) -> None:
+    def accepted(
+        self,
+        num_verified: int,
+        num_accepted: list[int],
+        seconds: float | None = None,
+        committed: torch.Tensor | None = None,
+    ) -> None:
         """After verifying: how many of the `num_verified` tokens each row accepted, and, if timed, the seconds the
-        verify pass (with acceptance) took."""
+        verify pass (with acceptance) took. After a tree round with looked-up branches, `committed` `[B, >= k + 1]`
+        holds each row's accepted tokens, then the target's."""
         if seconds is not None:
             self.cost_models(len(num_accepted)).observe_verify(num_verified, seconds)
         positions = torch.arange(num_verified)
@@ -327,18 +344,40 @@ class CostAwareDrafting:
             predictions = self.predictions[:, :num_verified]
             self.predicted += float(predictions.sum() if self.tree else (predictions * reached).sum())
             self.hits += float(hit.sum())
-        self.looked_up, self.predictions = [], None
+        if committed is not None:
+            for (size, tokens), row_committed, count in zip(self.branches, committed.cpu(), num_accepted):
+                if size == 0:
+                    continue
+                checked = min(tokens.shape[0], count + 1)  # the committed tokens say what the target chose there
+                matched = int((tokens[:checked].cpu() == row_committed[:checked]).long().cumprod(0).sum())
+                positions = torch.arange(checked)
+                self.lookup_reached[size - 1, :checked] += (positions <= matched).double()
+                self.lookup_accepted[size - 1, :checked] += (positions < matched).double()
+        self.forget_round()
+
+    def forget_round(self) -> None:
+        """Drop what the last round left to verify: its predictions and looked-up tokens (a call that stopped
+        mid-round leaves them)."""
+        self.looked_up, self.branches, self.predictions = [], [], None
 
     def _lookup_length(self, ngram_size: int, num_tokens: int, costs: DraftCosts) -> int:
         """How many of `num_tokens` looked-up tokens to verify: 0 where a drafting round (if it pays) or a plain step
         is expected to commit tokens faster."""
-        rates = self.lookup_accepted[ngram_size - 1, :num_tokens] / self.lookup_reached[ngram_size - 1, :num_tokens]
-        looked_up = expected_rates(rates.cumprod(0)[None], DraftCosts(costs.verify_seconds, 0.0))  # no drafting
+        reach = self._lookup_reach(ngram_size, num_tokens)
+        looked_up = expected_rates(reach[None], DraftCosts(costs.verify_seconds, 0.0))  # no drafting
         best_other = 1 / costs.verify_seconds[0]
         if self.pays and self.expected is not None:
             best_other = max(best_other, *expected_rates(self.expected[None], costs))
         best = _fastest(looked_up)
         return best if looked_up[best] > best_other else 0
+
+    def _lookup_reach(self, ngram_size: int, num_tokens: int) -> torch.Tensor:
+        """`[num_tokens]`: the probability of accepting each looked-up token after an n-gram of `ngram_size`, with
+        those before it."""
+        if ngram_size == 0:
+            return torch.zeros(num_tokens, dtype=torch.float64)
+        accepted = self.lookup_accepted[ngram_size - 1, :num_tokens]
+        return (accepted / self.lookup_reached[ngram_size - 1, :num_tokens]).cumprod(0)
 
 
 class _Learned:
@@ -397,5 +436,5 @@ def cost_aware_drafting(target, draft, options: DraftingOptions, do_sample: bool
     if key not in learned.drafting:
         learned.drafting[key] = CostAwareDrafting(learned.cost_model, options.prompt_lookup, do_sample)
     drafting = learned.drafting[key]
-    drafting.predictions, drafting.looked_up = None, []  # a call that stopped mid-round left them
+    drafting.forget_round()
     return drafting

@@ -150,32 +150,39 @@ class DeviceClock:
 class DraftLengthPolicy(Protocol):
     """How many drafts a round verifies, and whether it drafts (`cost_aware.CostAwareDrafting`)."""
 
-    def plan(self, sequences: list[torch.Tensor], limit: int) -> torch.Tensor | None: ...
+    def plan(self, sequences: list[torch.Tensor], limit: int, tree: bool = False) -> torch.Tensor | None: ...
+    def lookup_branch(self, sequences: list[torch.Tensor], limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
     def drafted(self, seconds: float, batch_size: int) -> None: ...
     def length(self, confidence: torch.Tensor, limit: int) -> int: ...
     def tree_size(self, path_probs: torch.Tensor) -> int: ...
-    def accepted(self, num_verified: int, num_accepted: list[int], seconds: float | None = None) -> None: ...
+    def accepted(
+        self, num_verified: int, num_accepted: list[int], seconds: float | None = None, committed=None
+    ) -> None: ...
 
 
 @dataclass
 class DraftRound:
     """What a round verifies after each row's anchor: `tokens` `[B, k]`, the logits `[B, k, V]` they were drawn from
     (None where no draft was drawn and the decoding is greedy), whether they followed a repeat of the context, and
-    for a tree each token's `parents` `[B, k]` (0: the anchor, i: the i-th token; a chain is i - 1 for token i)."""
+    for a tree each token's `parents` `[B, k]` (0: the anchor, i: the i-th token; a chain is i - 1 for token i) and
+    which tokens only its looked-up branch proposed."""
 
     tokens: torch.Tensor
     logits: torch.Tensor | None
     looked_up: bool = False
     parents: torch.Tensor | None = None
+    lookup_nodes: torch.Tensor | None = None
 
 
 class DraftTree(NamedTuple):
     """A tree of drafts per row, nodes in the order they were added (every prefix is a tree): `tokens`, `parents`
-    (as `DraftRound.parents`) and `path_probs`, the probability the draft gives the path to each node, `[B, N]`."""
+    (as `DraftRound.parents`) and `path_probs`, the probability the draft gives the path to each node, `[B, N]`; and
+    which nodes only the looked-up branch proposed."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     path_probs: torch.Tensor
+    looked_up: torch.Tensor | None = None
 
 
 def draft_round(
@@ -201,11 +208,13 @@ def draft_round(
     verify looked-up tokens, or a plain step: `DraftLengthPolicy.plan`), read the new `context` (target features
     `[B, T_new, F]`, their positions and mask) into the draft's cache (held there unprojected in a round that does
     not draft), draft at most `limit` tokens after each row's anchor, and keep as many as pay
-    (`DraftLengthPolicy.length`). `sequences()` gives each row's committed tokens,
-    for prompt lookup. The drafting arguments are `DominoDraftModel.draft_block`'s. With `grow_tree(block, limit)`
-    (greedy decoding only) the round drafts a tree from the backbone's block instead of a chain, and keeps the
-    prefix of its nodes that pays (`DraftLengthPolicy.tree_size`)."""
-    planned = drafting.plan(sequences(), limit) if drafting is not None and limit > 0 else None
+    (`DraftLengthPolicy.length`). `sequences()` gives each row's committed tokens, for prompt lookup. The drafting
+    arguments are `DominoDraftModel.draft_block`'s. With `grow_tree(block, limit, branches)` (greedy decoding only)
+    the round drafts a tree from the backbone's block instead of a chain, with each row's looked-up tokens as one
+    more branch (`DraftLengthPolicy.lookup_branch`), and keeps the prefix of its nodes that pays
+    (`DraftLengthPolicy.tree_size`)."""
+    committed = sequences() if drafting is not None and limit > 0 else []
+    planned = drafting.plan(committed, limit, tree=grow_tree is not None) if committed else None
     if limit == 0 or planned is not None:  # no drafting this round: its context waits for the next that drafts
         past_key_values.defer(*context)
         if planned is None or planned.shape[1] == 0:
@@ -217,12 +226,18 @@ def draft_round(
     if grow_tree is not None:
         draft.extend_context(past_key_values, *context)
         block = draft.block_logits(anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head)
-        tree = grow_tree(block, limit)
-        num_nodes = tree.tokens.shape[1]
+        branches = drafting.lookup_branch(committed, limit) if drafting is not None else []
+        grown = grow_tree(block, limit, branches)
+        num_nodes = grown.tokens.shape[1]
         if drafting is not None:
             drafting.drafted(clock() - start, anchor_ids.shape[0])
-            num_nodes = drafting.tree_size(tree.path_probs)
-        return DraftRound(tree.tokens[:, :num_nodes], None, parents=tree.parents[:, :num_nodes] if num_nodes else None)
+            num_nodes = drafting.tree_size(grown.path_probs)
+        if num_nodes == 0:
+            return DraftRound(grown.tokens[:, :0], None)
+        lookup_nodes = None if grown.looked_up is None else grown.looked_up[:, :num_nodes]
+        return DraftRound(
+            grown.tokens[:, :num_nodes], None, parents=grown.parents[:, :num_nodes], lookup_nodes=lookup_nodes
+        )
     block = draft.draft_block(
         anchor_ids=anchor_ids,
         anchor_position_ids=anchor_position_ids,

@@ -16,7 +16,9 @@ block, 17 tokens), the draft's context update, backbone, greedy head loop, argma
 draft pays anyway) and whole round, eager and after `compile_drafting(draft)` (the head loop captured in a CUDA
 graph), for each head candidate pool in `--head-pools` (`DraftingOptions(candidate_pool=...)`; 0: whole
 vocabulary), and for each pool with the fused head step (`fuse_head_step(draft)`: one Triton kernel per
-slot; CUDA with Triton only, `--no-fused` skips it).
+slot; CUDA with Triton only, `--no-fused` skips it). For each fixed tree budget in `--tree-nodes` (the accelerator
+setting of `DraftingOptions(tree_nodes=N)`), it times growing the tree from the backbone's block (`draft_tree_N`) and
+the target's verify pass over the anchor and the N nodes under the tree mask (`target_verify_tree_N`).
 
 Each compiled or fused variant's tokens of one round are compared with those of the eager, unfused loop with the same
 pool from the same state (in bf16, fused arithmetic may flip near-ties of a random-weight draft; drafts are verified,
@@ -43,11 +45,14 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # draft_cost.py sits beside this file
 import draft_cost  # noqa: E402
 
+from domino_spec.cache_domino import DominoContextCache  # noqa: E402
 from domino_spec.drafting import DraftingOptions  # noqa: E402
 from domino_spec.generation import compile_drafting, fuse_head_step  # noqa: E402
 from domino_spec.generation import fused_head_step as head_step_triton  # noqa: E402
 from domino_spec.generation.engine import DeviceClock  # noqa: E402
+from domino_spec.generation.trees import grow_tree, tree_attention_mask, tree_depths  # noqa: E402
 from domino_spec.targets import SHAPE_PRESETS, default_device  # noqa: E402
+from domino_spec.transformers_compat import cache_keyword, new_dynamic_cache  # noqa: E402
 
 TAUS = (4, 6, 8, 10)
 PROFILED_CALLS, PROFILED_KERNELS = 5, 8  # --profile-head: head loop calls profiled, kernels kept per variant
@@ -65,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per drafted block (published: 16)")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in the KV caches")
     parser.add_argument("--head-pools", type=int, nargs="+", default=[0, 64], help="candidate_pool values")
+    parser.add_argument("--tree-nodes", type=int, nargs="*", default=[16, 32, 64], help="fixed tree budgets to time")
     parser.add_argument(
         "--gate-table-mib",
         type=int,
@@ -173,6 +179,12 @@ def measure(
     timings, prefill = draft_cost.measure_target(target, context_ids.to(args.device), num_draft_tokens, timer)
     report(timings)
     measure_variants(draft, target, prefill, args, timer, report, timings, drafted, errors, compiled=False)
+    try:
+        timings |= measure_trees(target, draft, context_ids.to(args.device), prefill, args, timer)
+    except Exception as error:  # noqa: BLE001 (reported and saved, and the run exits non-zero)
+        traceback.print_exc()
+        errors["trees"] = f"{type(error).__name__}: {error}"
+    report(timings)
     if not args.compile:
         return timings
     timer.log(f"compile_drafting({args.compile_mode!r}): each variant's first call compiles")
@@ -207,6 +219,57 @@ def measure_variants(
         finally:
             fuse_head_step(draft, False)
         report(timings)
+
+
+@torch.no_grad()
+def measure_trees(target, draft, context_ids: torch.Tensor, prefill, args: argparse.Namespace, timer: Timer) -> dict:
+    """Per budget N in `--tree-nodes`: growing a tree of N drafts from the backbone's block, and the target's verify
+    pass over the anchor and the N nodes, each attending to the context and its ancestors only."""
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    features = draft.fuse_target_hidden_states(prefill.hidden_states)  # [1, T, n_layers * D]
+    context_length, device = features.shape[1], features.device
+    draft_cache = DominoContextCache()
+    draft.extend_context(draft_cache, features, torch.arange(context_length, device=device)[None])
+    anchor = prefill.logits[:, -1].argmax(dim=-1)  # [1]
+    anchor_position = torch.tensor([context_length], device=device)
+    block = draft.block_logits(anchor, anchor_position, draft_cache, embed_tokens, lm_head)
+    target_cache = new_dynamic_cache(target.config)
+    cache_argument = {cache_keyword(target): target_cache}
+    target(context_ids, **cache_argument, logits_to_keep=1)
+    slot_mask = torch.ones(1, context_length, dtype=torch.long, device=device)
+    timings = {}
+    for num_nodes in args.tree_nodes:
+
+        def grow(num_nodes: int = num_nodes):
+            return grow_tree(draft, block, embed_tokens, num_nodes, max_depth=args.block_size - 1)
+
+        tree = grow()
+        verify = {
+            "input_ids": torch.cat([anchor[:, None], tree.tokens], dim=-1),
+            "attention_mask": tree_attention_mask(tree.parents, slot_mask, target.dtype),
+            "position_ids": context_length + tree_depths(tree.parents),
+        }
+        timings[f"draft_tree_{num_nodes}"] = timer(f"draft_tree_{num_nodes}", grow)
+        timings[f"target_verify_tree_{num_nodes}"] = timer(
+            f"target_verify_tree_{num_nodes}",
+            lambda verify=verify: target(**verify, **cache_argument),
+            lambda num_nodes=num_nodes: target_cache.crop(-(num_nodes + 1)),
+        )
+    return timings
+
+
+def tree_table(settings: dict, timings: dict) -> list[str]:
+    """Fixed-budget trees next to the chain's whole block: drafting and verify times."""
+    lines = ["| drafts verified | draft (ms) | verify (ms) |", "|---|---:|---:|"]
+    lines.append(
+        f"| chain of {settings['block_size'] - 1} | {timings.get('draft_round', float('nan')):.2f} | "
+        f"{timings['target_verify']:.2f} |"
+    )
+    for num_nodes in settings.get("tree_nodes", []):
+        if f"target_verify_tree_{num_nodes}" in timings:
+            draft_ms = timings.get("draft_backbone", float("nan")) + timings[f"draft_tree_{num_nodes}"]
+            lines.append(f"| tree of {num_nodes} | {draft_ms:.2f} | {timings[f'target_verify_tree_{num_nodes}']:.2f} |")
+    return lines
 
 
 def same_tokens_as_eager(drafted: dict[str, torch.Tensor]) -> dict[str, bool]:
@@ -277,6 +340,11 @@ def markdown(results: dict) -> str:
         "Verify pass over the anchor and k drafts (`target_verify_k`):",
         "",
         *draft_cost.verify_curve_table(timings),
+        "",
+        "Fixed-budget trees (`DraftingOptions(tree_nodes=N)`): the backbone plus growing the tree (`draft_tree_N`), "
+        "and the verify pass over the anchor and N nodes under the tree mask:",
+        "",
+        *tree_table(settings, timings),
         "",
     ]
     for name, error in results["errors"].items():

@@ -51,10 +51,20 @@ METHODS = {
     "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
     "domino": "the Domino draft in the native engine",
     "domino-alone": "the Domino draft in the native engine with prompt lookup off: every round drafted",
+    "domino-tree": "the Domino draft in the native engine, each greedy round verifying a tree of drafts with the "
+    "looked-up tokens as one more branch (`DraftingOptions(tree_nodes=16)`)",
 }
-NATIVE_METHODS = ("plain-native", "dflash", "domino", "domino-alone")  # speculative_generate, against plain-native
+# speculative_generate, against plain-native
+NATIVE_METHODS = ("plain-native", "dflash", "domino", "domino-alone", "domino-tree")
 # the --dflash / --domino draft each uses
-DRAFT_OF = {"dflash": "dflash", "domino": "domino", "domino-hf": "domino", "domino-alone": "domino"}
+DRAFT_OF = {
+    "dflash": "dflash",
+    "domino": "domino",
+    "domino-hf": "domino",
+    "domino-alone": "domino",
+    "domino-tree": "domino",
+}
+TREE_NODES = 16  # domino-tree's node budget (on CPU, each round verifies as many as pay)
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 WARMUP_TOKENS = 16  # an untimed decode per method before the timed ones
 
@@ -123,6 +133,9 @@ class MethodRun:
     rounds: int = 0  # verify passes, a batched one once
     drafts_verified: int = 0  # drafts the rounds read (with the cost-aware length, fewer than the block's)
     looked_up_rounds: int | None = None  # native engine: rounds of looked-up tokens (prompt lookup)
+    tree_rounds: int = 0  # native engine: rounds that verified a tree, and rows of them whose accepted path left
+    branch_wins: int = 0  # the draft's likeliest branch, or took a node only the looked-up branch proposed
+    lookup_wins: int = 0
     round_lengths: list[int] = field(default_factory=list)  # native engine: tokens committed per round
     position_accepted: list[int] = field(default_factory=list)  # native engine: rounds accepting the k-th draft
     position_verified: list[int] = field(default_factory=list)  # and rounds verifying one, per draft position
@@ -172,6 +185,9 @@ class MethodRun:
                 if self.rounds and self.looked_up_rounds is not None
                 else None
             ),
+            "tree_rounds": self.tree_rounds,
+            "branch_wins": self.branch_wins,
+            "lookup_wins": self.lookup_wins,
             "position_acceptance": pooled_position_rates(self.position_accepted, self.position_verified),
             "acceptance_histogram": {str(n): self.round_lengths.count(n) for n in sorted(set(self.round_lengths))},
             "identical": self.identical,
@@ -261,7 +277,11 @@ def _decode_native(
     """`decode` in the native engine: the prompts left-padded into one batch."""
     input_ids, attention_mask = (tensor.to(target.device) for tensor in left_pad(prompts, pad_token_id=eos[0]))
     draft = drafts[DRAFT_OF[method]] if method in DRAFT_OF else None
-    options = replace(draft.drafting_options, prompt_lookup=0) if method == "domino-alone" else None
+    options = None
+    if method == "domino-alone":
+        options = replace(draft.drafting_options, prompt_lookup=0)
+    elif method == "domino-tree":
+        options = replace(draft.drafting_options, tree_nodes=TREE_NODES)
     sampling = (
         {}
         if setting.greedy
@@ -295,6 +315,9 @@ def _decode_native(
     run.add_position_counts(output.position_accepted.tolist(), output.position_verified.tolist())
     run.drafts_verified += output.drafts_verified
     run.looked_up_rounds = (run.looked_up_rounds or 0) + output.looked_up_rounds
+    run.tree_rounds += output.tree_rounds
+    run.branch_wins += output.branch_wins
+    run.lookup_wins += output.lookup_wins
     return [output.sequences[row, width:].tolist()[:count] for row, count in enumerate(output.num_new_tokens)]
 
 

@@ -32,7 +32,7 @@ from ..drafting import (
 )
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument, tapped_hidden_states
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
-from .trees import accept_tree, grow_tree, left_the_first_branch, tree_attention_mask, tree_depths
+from .trees import accept_tree, add_branch, grow_tree, left_the_first_branch, tree_attention_mask, tree_depths
 
 
 @dataclass
@@ -61,7 +61,8 @@ class SpeculativeOutput:
         plain_rounds (`int`): rounds that verified nothing after the anchor, plain decode steps: where the
             cost-aware draft length found that neither drafting nor looked-up tokens would pay.
         tree_rounds (`int`): rounds that verified a tree of drafts (`DraftingOptions.tree_nodes`); branch_wins
-            (`int`): rows of those rounds whose accepted path left the draft's likeliest branch somewhere.
+            (`int`): rows of those rounds whose accepted path left the draft's likeliest branch somewhere;
+            lookup_wins (`int`): rows whose accepted path took a node only the looked-up branch proposed.
     """
 
     sequences: torch.LongTensor
@@ -80,6 +81,7 @@ class SpeculativeOutput:
     plain_rounds: int = 0
     tree_rounds: int = 0
     branch_wins: int = 0
+    lookup_wins: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -190,7 +192,7 @@ class _Record:
         self.verified = torch.zeros(setup.num_drafts, dtype=torch.long)
         self.draft_time = self.verify_time = 0.0
         self.num_rounds = self.drafts_verified = self.looked_up_rounds = self.plain_rounds = 0
-        self.tree_rounds = self.branch_wins = 0
+        self.tree_rounds = self.branch_wins = self.lookup_wins = 0
 
     def tokens(self, row: int) -> torch.Tensor:
         """The committed tokens `[T]` of original row `row`: its prompt and what it generated."""
@@ -230,6 +232,8 @@ class _Record:
         if drafted.parents is not None:
             self.tree_rounds += 1
             self.branch_wins += int(left_the_first_branch(drafted.parents, valid).sum())
+            if drafted.lookup_nodes is not None:
+                self.lookup_wins += int((drafted.lookup_nodes & valid[:, 1:]).any(-1).sum())
 
     def output(self, input_ids: torch.Tensor, prefill_time: float, total_time: float) -> SpeculativeOutput:
         return SpeculativeOutput(
@@ -249,6 +253,7 @@ class _Record:
             plain_rounds=self.plain_rounds,
             tree_rounds=self.tree_rounds,
             branch_wins=self.branch_wins,
+            lookup_wins=self.lookup_wins,
         )
 
 
@@ -334,12 +339,12 @@ def speculative_generate(
         verify_seconds = clock() - tock
         depth = int((verify_positions - verify_positions[:, :1]).max())  # the deepest draft verified (0: none)
         record.round(num_accepted, drafted, valid, depth, tock - tick, verify_seconds)
-        if drafting is not None:
-            drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds)
 
         # commit: accepted drafts plus the target's token, cut at EOS and at the length budget
         candidates = torch.cat([accepted_tokens[:, : setup.num_drafts], next_token[:, None]], dim=-1)  # [B, S + 1]
         candidates.scatter_(1, num_accepted[:, None], next_token[:, None])
+        if drafting is not None:
+            drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds, candidates)
         count, finished = _commit_count(setup, candidates, torch.minimum(num_accepted + 1, budget), budget)
         record.commit(rows, candidates, count, is_round=True)
         if streamer is not None:
@@ -437,7 +442,12 @@ def _tree_grower(setup: _Setup, cache, max_slots: int) -> Callable[..., DraftTre
         problem = "a tree's unaccepted nodes stay in its cache as masked holes, which only full attention ignores"
     else:
         embed_tokens = setup.target.get_input_embeddings()
-        return lambda block, max_depth: grow_tree(draft, block, embed_tokens, options.tree_nodes, max_depth)
+
+        def grow(block, max_depth: int, branches: list[tuple[torch.Tensor, torch.Tensor]]) -> DraftTree:
+            tree = grow_tree(draft, block, embed_tokens, options.tree_nodes, max_depth)
+            return add_branch(tree, branches, options.tree_nodes)
+
+        return grow
     warnings.warn(f"tree_nodes={options.tree_nodes}: verifying chains instead, since {problem}.", stacklevel=3)
     return None
 

@@ -4,7 +4,9 @@ The backbone runs once per round, as for a chain. The head is causal, so each br
 distribution: rolling the GRU along a branch's tokens over the backbone's states gives the distribution of that
 node's children. `grow_tree` adds nodes best first, by the probability the draft gives the path to each (the
 product of the head's probabilities along it), so every prefix of its nodes is a tree and the cost-aware length
-keeps the prefix that pays. Greedy verification follows the target's argmax down the tree (`accept_tree`): the
+keeps the prefix that pays. Where the context's last tokens occurred before, the tokens that followed them there
+(prompt lookup) join the tree as one more branch (`add_branch`), with the probability the run's earlier looked-up
+tokens give each. Greedy verification follows the target's argmax down the tree (`accept_tree`): the
 output is the target's own greedy decoding.
 
 The verify pass reads `[anchor, node_1..node_N]`; each node attends to the committed cache and to its ancestors only
@@ -81,6 +83,50 @@ def grow_tree(draft, block: DominoBlock, embed_tokens: torch.nn.Module, num_node
     return DraftTree(torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(path_probs, 1))
 
 
+def add_branch(tree: DraftTree, branches: list[tuple[torch.Tensor, torch.Tensor]], max_nodes: int) -> DraftTree:
+    """`tree` with each row's branch, tokens `[L]` from the anchor down with the probability `[L]` of reaching each,
+    merged in: a branch token already a child of the node reached raises that node's path probability to the
+    branch's where higher, else it is a new node (`looked_up` marks those). Nodes are re-sorted by path probability
+    (shallower first among equals), so every prefix is still a tree, and cut at `max_nodes`; rows with fewer nodes
+    are padded with children of the anchor of probability 0."""
+    if all(tokens.numel() == 0 for tokens, _ in branches):
+        return tree
+    merged = []
+    for row, (branch_tokens, branch_probs) in enumerate(branches):
+        tokens, parents = tree.tokens[row].tolist(), tree.parents[row].tolist()
+        probs, looked_up = tree.path_probs[row].tolist(), [False] * len(tokens)
+        node = 0  # the anchor
+        for token, prob in zip(branch_tokens.tolist(), branch_probs.tolist()):
+            child = next((i + 1 for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+            if child is None:
+                tokens, parents, probs, looked_up = (
+                    tokens + [token],
+                    parents + [node],
+                    probs + [prob],
+                    looked_up + [True],
+                )
+                child = len(tokens)
+            probs[child - 1] = max(probs[child - 1], prob)
+            node = child
+        depths = tree_depths(torch.tensor([parents]))[0, 1:].tolist()
+        order = sorted(range(len(tokens)), key=lambda i: (-probs[i], depths[i]))[:max_nodes]
+        position = {old + 1: new + 1 for new, old in enumerate(order)} | {0: 0}
+        merged.append([(tokens[i], position[parents[i]], probs[i], looked_up[i]) for i in order])
+    num_nodes = max(len(nodes) for nodes in merged)
+    padding = (int(tree.tokens[0, 0]), 0, 0.0, False)
+    rows = [nodes + [padding] * (num_nodes - len(nodes)) for nodes in merged]
+
+    def column(field: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([[node[field] for node in nodes] for nodes in rows], dtype=dtype, device=tree.tokens.device)
+
+    return DraftTree(
+        column(0, tree.tokens.dtype),
+        column(1, tree.parents.dtype),
+        column(2, tree.path_probs.dtype),
+        column(3, torch.bool),
+    )
+
+
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     """The depth `[B, N + 1]` of the anchor (0) and of each node, from `parents` `[B, N]` (0: the anchor)."""
     depths = [torch.zeros_like(parents[:, 0])]
@@ -148,6 +194,7 @@ def left_the_first_branch(parents: torch.Tensor, valid: torch.Tensor) -> torch.T
 __all__ = [
     "CHILDREN_PER_NODE",
     "accept_tree",
+    "add_branch",
     "grow_tree",
     "left_the_first_branch",
     "tree_ancestry",

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from domino_spec import DraftCosts, DraftingOptions
+from domino_spec.drafting import DraftTree
 from domino_spec.generation import left_pad, speculative_generate
 from domino_spec.generation.trees import (
     CHILDREN_PER_NODE,
     accept_tree,
+    add_branch,
     grow_tree,
     left_the_first_branch,
     tree_ancestry,
@@ -117,6 +119,51 @@ def test_greedy_tree_decoding_is_plain_greedy_decoding(family):
     for row, prompt in enumerate(prompts):  # every row its own tree, in one pass
         generated = plain_greedy(target, prompt, 14, eos_token_id=5)[0, prompt.shape[1] :]
         assert output.sequences[row, input_ids.shape[1] :][: generated.numel()].tolist() == generated.tolist()
+
+
+def test_a_looked_up_branch_joins_the_tree_sorted_by_path_probability():
+    # row 0: anchor -> 5 (0.6) -> 6 (0.3); anchor -> 7 (0.2). Row 1: anchor -> 8 (0.9) -> 9 (0.5) -> 10 (0.1).
+    tree = DraftTree(
+        tokens=torch.tensor([[5, 6, 7], [8, 9, 10]]),
+        parents=torch.tensor([[0, 1, 0], [0, 1, 2]]),
+        path_probs=torch.tensor([[0.6, 0.3, 0.2], [0.9, 0.5, 0.1]]),
+    )
+    branches = [
+        (torch.tensor([5, 4, 3]), torch.tensor([0.8, 0.7, 0.25], dtype=torch.float64)),  # shares 5, then new nodes
+        (torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.float64)),  # no repeat in this row
+    ]
+    merged = add_branch(tree, branches, max_nodes=5)
+    # row 0 by path probability: 5 (raised to 0.8), 4 (0.7, under 5), 6 (0.3, under 5), 3 (0.25, under 4), 7 (0.2)
+    assert merged.tokens[0].tolist() == [5, 4, 6, 3, 7]
+    assert merged.parents[0].tolist() == [0, 1, 1, 2, 0]
+    assert merged.path_probs[0].tolist() == pytest.approx([0.8, 0.7, 0.3, 0.25, 0.2])
+    assert merged.looked_up[0].tolist() == [False, True, False, True, False]
+    # row 1 unchanged, padded with a child of the anchor of probability 0
+    assert merged.tokens[1, :3].tolist() == [8, 9, 10] and merged.parents[1].tolist() == [0, 1, 2, 0, 0]
+    assert merged.path_probs[1].tolist() == pytest.approx([0.9, 0.5, 0.1, 0.0, 0.0])
+    assert not merged.looked_up[1].any()
+    cut = add_branch(tree, branches, max_nodes=3)  # the least likely nodes go first
+    assert cut.tokens[0].tolist() == [5, 4, 6] and cut.tokens.shape == (2, 3)
+    depths = tree_depths(merged.parents)
+    assert (depths[:, 1:] >= 1).all() and depths[0, 1:].tolist() == [1, 2, 2, 3, 1]
+    assert add_branch(tree, [branches[1], branches[1]], max_nodes=5) is tree  # nothing looked up: the tree as it was
+
+
+def test_greedy_trees_with_looked_up_branches_are_plain_greedy_decoding():
+    """Prompts that repeat themselves give prompt lookup continuations; each joins its row's tree as a branch, and
+    rounds accept nodes only that branch proposed. Output stays plain greedy decoding."""
+    target, draft = small_vocabulary_models("qwen3")
+    flat = DraftCosts(verify_seconds=(1.0,) * 9, draft_seconds=0.01)  # every round drafts, every node verified
+    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=flat, tree_nodes=8, prompt_lookup=3)
+    lookup_wins = 0
+    for index, prompt in enumerate(random_prompts(8, seed=3, vocab_size=VOCAB_SIZE)):
+        prompt = torch.cat([prompt, prompt, prompt], dim=-1)
+        max_new_tokens = 10 + index % 5
+        expected = plain_greedy(target, prompt, max_new_tokens)
+        output = speculative_generate(target, draft, prompt, max_new_tokens=max_new_tokens, eos_token_id=[])
+        assert torch.equal(output.sequences, expected), index
+        lookup_wins += output.lookup_wins
+    assert lookup_wins > 0
 
 
 def test_cost_aware_trees_verify_only_the_nodes_that_pay():
