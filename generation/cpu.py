@@ -256,4 +256,51 @@ def optimize_for_cpu(
     return CPUOptimization(models, planned, plans)
 
 
-__all__ = ["CPUOptimization", "optimize_for_cpu", "plan_cache_path"]
+LOAD_SAMPLES = 5  # looks at the machine's runnable tasks, a millisecond apart; the fewest counts
+
+
+def other_runnable_tasks() -> int:
+    """Tasks of other processes ready to run now, from /proc: the fewest of `LOAD_SAMPLES` looks, so that one that
+    just woke or is about to block does not count; 0 where /proc is missing."""
+    counts = []
+    try:
+        for _ in range(LOAD_SAMPLES):
+            with open("/proc/loadavg") as loadavg:
+                runnable = int(loadavg.read().split()[3].split("/")[0])  # "running/total", this thread included
+            own = sum(_task_state(task.path) == "R" for task in os.scandir("/proc/self/task"))
+            counts.append(runnable - own)
+            time.sleep(0.001)
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, min(counts))
+
+
+def _task_state(task_path: str) -> str:
+    with open(os.path.join(task_path, "stat")) as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]  # the field after the command name, which may hold spaces
+
+
+@contextlib.contextmanager
+def threads_fitted_to_load(device: torch.device) -> Iterator[int]:
+    """Run torch, for the block, on the cores that other processes leave free (at least one); yields the thread
+    count. CPU only.
+
+    Torch's OpenMP threads meet at the end of every parallel region: where one shares its core with a busy process,
+    the others wait for it, and a decode step beside one busy process took 4x as long on two threads as on one
+    (BENCHMARKS.md). Multi-token passes have more regions, so speculative decoding lost more than plain decoding.
+    `DOMINO_FIT_THREADS=0` keeps torch's thread count.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or os.environ.get("DOMINO_FIT_THREADS") == "0":
+        yield threads
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    fitted = max(1, min(threads, cores - other_runnable_tasks()))
+    torch.set_num_threads(fitted)
+    try:
+        yield fitted
+    finally:
+        torch.set_num_threads(threads)
+
+
+__all__ = ["CPUOptimization", "optimize_for_cpu", "other_runnable_tasks", "plan_cache_path", "threads_fitted_to_load"]

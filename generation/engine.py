@@ -31,6 +31,7 @@ from ..drafting import (
     draft_round,
 )
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument, tapped_hidden_states
+from .cpu import threads_fitted_to_load
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 from .trees import accept_tree, add_branch, grow_tree, left_the_first_branch, tree_attention_mask, tree_depths
 
@@ -308,59 +309,60 @@ def speculative_generate(
         generator,
         options,
     )
-    clock = DeviceClock(input_ids.device)
-    start = clock()
-    record = _Record(input_ids, attention_mask, setup, pad_token_id)
-    num_verified = max(setup.num_drafts, setup.options.tree_nodes if draft is not None else 0)
-    max_slots = input_ids.shape[1] + max_new_tokens * (num_verified + 1)  # every round's rejected drafts kept
-    cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
-    setup.grow_tree = _tree_grower(setup, cache, max_slots)
-    draft_cache = DominoContextCache()
-    drafting = None
-    if draft is not None:
-        drafting = cost_aware_drafting(target, draft, setup.options, do_sample)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
-    finished = torch.isin(rows.anchor, setup.eos) | (rows.num_generated >= max_new_tokens)
-    rows = _drop_finished(rows, finished, cache, draft_cache)
-    _crop_invalid_tail(rows, cache)
-    prefill_time = clock() - start
-
-    while rows.index.numel() > 0:
-        budget = max_new_tokens - rows.num_generated  # [B] tokens each row may still commit, >= 1
-        limit = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
-        tick = clock()
-        drafted = _draft(setup, rows, record, draft_cache, limit, drafting)
-        num_drafts = drafted.tokens.shape[1]  # [B, S] tokens (a tree's nodes) after the anchor
-        tock = clock()
-        outputs, verify_positions = _verify(setup, rows, drafted, cache)
-        accepted_tokens, num_accepted, next_token, valid = _accept(setup, drafted, outputs.logits)
-        verify_seconds = clock() - tock
-        depth = int((verify_positions - verify_positions[:, :1]).max())  # the deepest draft verified (0: none)
-        record.round(num_accepted, drafted, valid, depth, tock - tick, verify_seconds)
-
-        # commit: accepted drafts plus the target's token, cut at EOS and at the length budget
-        candidates = torch.cat([accepted_tokens[:, : setup.num_drafts], next_token[:, None]], dim=-1)  # [B, S + 1]
-        candidates.scatter_(1, num_accepted[:, None], next_token[:, None])
-        if drafting is not None:
-            drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds, candidates)
-        count, finished = _commit_count(setup, candidates, torch.minimum(num_accepted + 1, budget), budget)
-        record.commit(rows, candidates, count, is_round=True)
+    with threads_fitted_to_load(input_ids.device):  # a busy machine's cores are not ours
+        clock = DeviceClock(input_ids.device)
+        start = clock()
+        record = _Record(input_ids, attention_mask, setup, pad_token_id)
+        num_verified = max(setup.num_drafts, setup.options.tree_nodes if draft is not None else 0)
+        max_slots = input_ids.shape[1] + max_new_tokens * (num_verified + 1)  # every round's rejected drafts kept
+        cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
+        setup.grow_tree = _tree_grower(setup, cache, max_slots)
+        draft_cache = DominoContextCache()
+        drafting = None
+        if draft is not None:
+            drafting = cost_aware_drafting(target, draft, setup.options, do_sample)
         if streamer is not None:
-            streamer.put(candidates[0, : int(count[0])].cpu())
-
-        # update: the anchor's and accepted drafts' slots hold committed tokens; the target's token is the new anchor
-        rows.anchor, rows.length, rows.num_generated = next_token, rows.length + count, rows.num_generated + count
-        rows.slot_mask = torch.cat([rows.slot_mask, valid.to(rows.slot_mask.dtype)], dim=-1)
-        rows.features = _masked_features(setup.draft, outputs, valid)
-        rows.feature_positions, rows.feature_mask = verify_positions, valid
+            streamer.put(input_ids.cpu())
+        rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
+        finished = torch.isin(rows.anchor, setup.eos) | (rows.num_generated >= max_new_tokens)
         rows = _drop_finished(rows, finished, cache, draft_cache)
         _crop_invalid_tail(rows, cache)
+        prefill_time = clock() - start
 
-    if streamer is not None:
-        streamer.end()
-    return record.output(input_ids, prefill_time, clock() - start)
+        while rows.index.numel() > 0:
+            budget = max_new_tokens - rows.num_generated  # [B] tokens each row may still commit, >= 1
+            limit = min(setup.num_drafts, int(budget.max()) - 1)  # drafts past every row's budget are wasted work
+            tick = clock()
+            drafted = _draft(setup, rows, record, draft_cache, limit, drafting)
+            num_drafts = drafted.tokens.shape[1]  # [B, S] tokens (a tree's nodes) after the anchor
+            tock = clock()
+            outputs, verify_positions = _verify(setup, rows, drafted, cache)
+            accepted_tokens, num_accepted, next_token, valid = _accept(setup, drafted, outputs.logits)
+            verify_seconds = clock() - tock
+            depth = int((verify_positions - verify_positions[:, :1]).max())  # the deepest draft verified (0: none)
+            record.round(num_accepted, drafted, valid, depth, tock - tick, verify_seconds)
+
+            # commit: accepted drafts plus the target's token, cut at EOS and at the length budget
+            candidates = torch.cat([accepted_tokens[:, : setup.num_drafts], next_token[:, None]], dim=-1)  # [B, S + 1]
+            candidates.scatter_(1, num_accepted[:, None], next_token[:, None])
+            if drafting is not None:
+                drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds, candidates)
+            count, finished = _commit_count(setup, candidates, torch.minimum(num_accepted + 1, budget), budget)
+            record.commit(rows, candidates, count, is_round=True)
+            if streamer is not None:
+                streamer.put(candidates[0, : int(count[0])].cpu())
+
+            # update: the anchor's and accepted drafts' slots hold committed tokens, the target's token is the anchor
+            rows.anchor, rows.length, rows.num_generated = next_token, rows.length + count, rows.num_generated + count
+            rows.slot_mask = torch.cat([rows.slot_mask, valid.to(rows.slot_mask.dtype)], dim=-1)
+            rows.features = _masked_features(setup.draft, outputs, valid)
+            rows.feature_positions, rows.feature_mask = verify_positions, valid
+            rows = _drop_finished(rows, finished, cache, draft_cache)
+            _crop_invalid_tail(rows, cache)
+
+        if streamer is not None:
+            streamer.end()
+        return record.output(input_ids, prefill_time, clock() - start)
 
 
 def _make_setup(

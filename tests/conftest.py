@@ -17,6 +17,13 @@ def _kernel_plans_in_a_temporary_file(tmp_path, monkeypatch):
     monkeypatch.setenv("DOMINO_CPU_PLANS", str(tmp_path / "cpu_plans.json"))
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept(monkeypatch):
+    """Outputs compared across calls come from one thread count, whatever else runs on the machine
+    (`threads_fitted_to_load`'s own tests turn it back on)."""
+    monkeypatch.setenv("DOMINO_FIT_THREADS", "0")
+
+
 def _index_1_element_scalars_in_triton_interpreter() -> None:
     """Triton's interpreter up to 3.6 (the GPU machine's) holds a kernel's int arguments as 1-element arrays and
     converts them with `int(array)`, which NumPy >= 2.4 refuses, so every `range(0, rank, ...)` loop of the fused head

@@ -2,13 +2,16 @@
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from domino_spec.generation import optimize_for_cpu, speculative_generate
-from domino_spec.generation.cpu import TUNED_ROW_COUNTS, plan_cache_path
+from domino_spec.generation.cpu import TUNED_ROW_COUNTS, other_runnable_tasks, plan_cache_path, threads_fitted_to_load
 
 from conftest import tiny_draft, tiny_target
 
@@ -79,3 +82,30 @@ def test_plans_timed_once_are_read_back_by_the_next_process_on_this_machine(targ
     optimize_for_cpu(target, plan_cache=str(tmp_path / "plans.json")).restore()
     assert len(json.loads((tmp_path / "plans.json").read_text())) == len(first.plans)
     assert plan_cache_path() == os.environ["DOMINO_CPU_PLANS"]  # the tests' own file, not the home folder's
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg") or (os.cpu_count() or 1) < 2, reason="needs Linux, 2 cores")
+def test_a_busy_process_takes_a_core_from_torch_for_the_call_and_decoding_stays_exact(monkeypatch):
+    monkeypatch.setenv("DOMINO_FIT_THREADS", "1")
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target)
+    prompt = torch.randint(3, target.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)
+        assert other_runnable_tasks() >= 1
+        with threads_fitted_to_load(torch.device("cpu")) as fitted:
+            assert fitted == torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2  # restored
+        output = speculative_generate(target, draft, prompt, max_new_tokens=12)
+        assert torch.equal(output.sequences, expected)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("DOMINO_FIT_THREADS", "0")
+    with threads_fitted_to_load(torch.device("cpu")) as kept:
+        assert kept == torch.get_num_threads()
