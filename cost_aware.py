@@ -266,10 +266,14 @@ class CostAwareDrafting:
         self.looked_up = []
         if self.max_ngram_size == 0 or limit == 0:
             return None
+        # Fewer tokens never pay more than `limit` of them: where no n-gram size's would, no row is searched.
+        pays = {size: self._lookup_length(size, limit, costs) > 0 for size in range(1, self.max_ngram_size + 1)}
+        if not any(pays.values()):
+            return None
         found, lengths = [], []
         for sequence in sequences:
             tokens, size = prompt_lookup(sequence, self.max_ngram_size, limit)
-            length = self._lookup_length(size, tokens.shape[0], costs) if size else 0
+            length = self._lookup_length(size, tokens.shape[0], costs) if size and pays[size] else 0
             if length == 0:
                 return None
             found.append((tokens, size))

@@ -9,6 +9,8 @@ Targets, each a region between `<!-- NAME:start -->` and `<!-- NAME:end -->`:
 - BENCHMARKS.md `bench-table`: every batch-1 greedy warm row (the model card's renderer), the settings matrix when the
   bench measured several settings (`bench_report.matrix_table`), the cost model and the task scores;
 - BENCHMARKS.md `bench-goals`: the goals, met or not, with the numbers behind each;
+- README.md and BENCHMARKS.md `settings-matrix`: from `benchmarks/results/settings_matrix_smollm2-135m.json` (a bench
+  over batch sizes, sampling and first calls), each drafting method's speedup and tau per setting;
 - the shipped checkpoint: its `bench_results.json` (the JSON without the generated texts, as `ship.py` writes it) and
   its model card's acceptance section (`model_card.acceptance_section`, the section's own markers are its headings).
 """
@@ -24,6 +26,7 @@ from domino_spec.training.model_card import acceptance_section, is_batch_1_greed
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "bench_smollm2-135m.json"
+MATRIX_RESULTS = ROOT / "benchmarks" / "results" / "settings_matrix_smollm2-135m.json"
 CHECKPOINT = ROOT / "checkpoints" / "domino-smollm2-135m"
 CARD_SECTION = "## Acceptance and speed"
 EVAL_SET_NAMES = {
@@ -149,6 +152,21 @@ def readme_results(report: dict) -> str:
     if len(speedup_matrix(report["results"])[1]) > 1:
         text += "\n\nThis bench also measured other settings: their speedups are in BENCHMARKS.md's settings matrix."
     return text
+
+
+def matrix_section(report: dict) -> str:
+    """The settings matrix of a bench over batch sizes, sampling and first calls, with what it measured."""
+    config, machine, versions = report["config"], report["machine"], report["versions"]
+    counts = set(config["prompts"].values())
+    which = f"the first {counts.pop()} prompts of each set" if len(counts) == 1 else f"prompts {config['prompts']}"
+    text = wrap(
+        f"Each drafting method's speedup over plain decoding in the same engine and setting, and its tau: {which}, "
+        f"at most {config['max_new_tokens']} new tokens, {machine['cpu_threads']} threads of an "
+        f"{machine['processor']} {machine['device'].upper()}, torch {versions['torch']}, transformers "
+        f"{versions['transformers']}. B: prompts per call. Warm: after a warm-up. Cold: a fresh process's first call "
+        "(its first batch), `optimize_for_cpu` and every set-up of the call included, model loading excluded."
+    )
+    return f"{text}\n\n{matrix_table(report['results'])}"
 
 
 def card_table(results: list[dict]) -> str:
@@ -307,8 +325,10 @@ def shipped_results(report: dict) -> str:
     return json.dumps({k: v for k, v in report.items() if k not in ("texts", "references")}, indent=1)
 
 
-def rendered(report: dict, root: Path = ROOT, checkpoint: Path = CHECKPOINT) -> dict[Path, str]:
-    """Every document's text as the results JSON says it should read."""
+def rendered(
+    report: dict, root: Path = ROOT, checkpoint: Path = CHECKPOINT, matrix: dict | None = None
+) -> dict[Path, str]:
+    """Every document's text as the results JSON (and the settings matrix's, where given) says it should read."""
     readme, benchmarks = root / "README.md", root / "BENCHMARKS.md"
     documents = {
         readme: replace_region(readme.read_text(), "results-table", readme_results(report), readme),
@@ -319,6 +339,9 @@ def rendered(report: dict, root: Path = ROOT, checkpoint: Path = CHECKPOINT) -> 
             benchmarks,
         ),
     }
+    if matrix is not None:
+        for path in (readme, benchmarks):
+            documents[path] = replace_region(documents[path], "settings-matrix", matrix_section(matrix), path)
     card = checkpoint / "README.md"
     trimmed = json.loads(shipped_results(report))
     documents[card] = replace_card_section(card.read_text(), acceptance_section(trimmed), card)
@@ -333,9 +356,11 @@ def stale(documents: dict[Path, str]) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS, help="the bench's results JSON")
+    parser.add_argument("--matrix-results", type=Path, default=MATRIX_RESULTS, help="the settings matrix's JSON")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a document is stale")
     args = parser.parse_args(argv)
-    documents = rendered(json.loads(args.results.read_text()))
+    matrix = json.loads(args.matrix_results.read_text())
+    documents = rendered(json.loads(args.results.read_text()), matrix=matrix)
     outdated = stale(documents)
     if args.check:
         for path in outdated:

@@ -99,12 +99,10 @@ def add_branch(tree: DraftTree, branches: list[tuple[torch.Tensor, torch.Tensor]
         for token, prob in zip(branch_tokens.tolist(), branch_probs.tolist()):
             child = next((i + 1 for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
             if child is None:
-                tokens, parents, probs, looked_up = (
-                    tokens + [token],
-                    parents + [node],
-                    probs + [prob],
-                    looked_up + [True],
-                )
+                tokens.append(token)
+                parents.append(node)
+                probs.append(prob)
+                looked_up.append(True)
                 child = len(tokens)
             probs[child - 1] = max(probs[child - 1], prob)
             node = child

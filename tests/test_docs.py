@@ -62,6 +62,23 @@ def test_check_finds_a_changed_number_and_rendering_fixes_it(tmp_path):
     assert render_docs.stale(render_docs.rendered(changed, tmp_path, checkpoint)) == []
 
 
+def test_the_settings_matrix_is_rendered_from_its_own_json(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    for name in ("README.md", "bench_results.json"):
+        shutil.copy(render_docs.CHECKPOINT / name, checkpoint / name)
+    report = json.loads(render_docs.RESULTS.read_text())
+    matrix = json.loads(render_docs.MATRIX_RESULTS.read_text())
+    assert render_docs.stale(render_docs.rendered(report, tmp_path, checkpoint, matrix)) == []
+    changed = copy.deepcopy(matrix)
+    next(row for row in changed["results"] if row["method"] == "domino")["speedup"] = 9.87
+    documents = render_docs.rendered(report, tmp_path, checkpoint, changed)
+    assert set(render_docs.stale(documents)) == {tmp_path / "README.md", tmp_path / "BENCHMARKS.md"}
+    assert "9.87x (tau" in documents[tmp_path / "README.md"] and "9.87x (tau" in documents[tmp_path / "BENCHMARKS.md"]
+
+
 def test_main_table_shows_batch_1_greedy_warm_rows_and_the_matrix_the_other_settings():
     report = json.loads(render_docs.RESULTS.read_text())
     batched = [{**row, "batch_size": 4, "speedup": 9.87} for row in report["results"] if row["method"] == "domino"]

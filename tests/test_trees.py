@@ -166,6 +166,34 @@ def test_greedy_trees_with_looked_up_branches_are_plain_greedy_decoding():
     assert lookup_wins > 0
 
 
+def lora_wrapped(target):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(target, config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "llama-lora"])
+def test_trees_on_other_families_and_a_peft_wrapped_target_are_plain_greedy_decoding(family):
+    """Each family's attention takes the tree mask and the node positions (gemma3: its sliding layers' window
+    spans the whole run, so the holes stay inside it)."""
+    overrides = {"sliding_window": 1000} if family == "gemma3" else {}
+    target = tiny_target(family.removesuffix("-lora"), dtype=torch.float64, vocab_size=VOCAB_SIZE, **overrides)
+    target.generation_config.eos_token_id = None
+    if family.endswith("-lora"):
+        target = lora_wrapped(target)
+    draft = tiny_draft(target, block_size=6).to(torch.float64)
+    draft.drafting_options = TREE
+    tree_rounds = 0
+    for index, prompt in enumerate(random_prompts(6, seed=4, vocab_size=VOCAB_SIZE)):
+        expected = plain_greedy(target, prompt, 10 + index)
+        output = speculative_generate(target, draft, prompt, max_new_tokens=10 + index, eos_token_id=[])
+        assert torch.equal(output.sequences, expected), index
+        tree_rounds += output.tree_rounds
+    assert tree_rounds > 0  # trees, not the chains of a fallback
+
+
 def test_cost_aware_trees_verify_only_the_nodes_that_pay():
     target, draft = small_vocabulary_models("qwen3")
     steep = DraftCosts(verify_seconds=tuple(1.0 + 0.15 * k for k in range(9)), draft_seconds=0.1)
