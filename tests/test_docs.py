@@ -37,13 +37,19 @@ def test_documents_agree_with_the_results_json():
     assert render_docs.main(["--check"]) == 0, "a document disagrees: run python benchmarks/render_docs.py"
 
 
-def test_check_finds_a_changed_number_and_rendering_fixes_it(tmp_path):
-    checkpoint = tmp_path / "checkpoint"
+def copy_documents(folder: Path) -> Path:
+    """README and BENCHMARKS into `folder`, the shipped checkpoint's card and results into `folder/checkpoint`."""
+    checkpoint = folder / "checkpoint"
     checkpoint.mkdir()
     for name in ("README.md", "BENCHMARKS.md"):
-        shutil.copy(ROOT / name, tmp_path / name)
+        shutil.copy(ROOT / name, folder / name)
     for name in ("README.md", "bench_results.json"):
         shutil.copy(render_docs.CHECKPOINT / name, checkpoint / name)
+    return checkpoint
+
+
+def test_check_finds_a_changed_number_and_rendering_fixes_it(tmp_path):
+    checkpoint = copy_documents(tmp_path)
     report = json.loads(render_docs.RESULTS.read_text())
     assert render_docs.stale(render_docs.rendered(report, tmp_path, checkpoint)) == []
     changed = copy.deepcopy(report)
@@ -63,12 +69,7 @@ def test_check_finds_a_changed_number_and_rendering_fixes_it(tmp_path):
 
 
 def test_the_settings_matrix_is_rendered_from_its_own_json(tmp_path):
-    checkpoint = tmp_path / "checkpoint"
-    checkpoint.mkdir()
-    for name in ("README.md", "BENCHMARKS.md"):
-        shutil.copy(ROOT / name, tmp_path / name)
-    for name in ("README.md", "bench_results.json"):
-        shutil.copy(render_docs.CHECKPOINT / name, checkpoint / name)
+    checkpoint = copy_documents(tmp_path)
     report = json.loads(render_docs.RESULTS.read_text())
     matrix = json.loads(render_docs.MATRIX_RESULTS.read_text())
     assert render_docs.stale(render_docs.rendered(report, tmp_path, checkpoint, matrix)) == []
