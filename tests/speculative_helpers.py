@@ -1,6 +1,10 @@
 """Test-only helpers for speculative decoding: prompts, an oracle draft, a peaked target, exact distributions."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -210,3 +214,17 @@ def drawn_from_test(tokens: torch.Tensor, logits: torch.Tensor, min_group: int =
             group_statistic, group_freedom = chi_square_statistic([(int(t),) for t in tokens[rows, slot]], exact)
             statistic, degrees_of_freedom = statistic + group_statistic, degrees_of_freedom + group_freedom
     return statistic, chi_square_critical(degrees_of_freedom, Z_ALPHA)
+
+
+def run_offline(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`script` in a fresh Python process with `args`, the Hub offline; asserts it exited cleanly."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

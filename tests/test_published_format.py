@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from domino_spec.published_format import load_draft
 from domino_spec.training import export
 
 from conftest import tiny_draft, tiny_target
+from speculative_helpers import run_offline
 
 TINY_LAYER_FIELDS = dict(
     vocab_size=128,
@@ -275,15 +274,7 @@ def test_remote_code_loading_in_a_fresh_process(tmp_path, target):
         "except ValueError as error:\n"
         "    print('refused', 'load_draft' in str(error))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ours"), str(tmp_path / "sglang")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_offline(script, str(tmp_path / "ours"), str(tmp_path / "sglang"), cwd=tmp_path)
     lines = result.stdout.split("\n")
     assert lines[:2] == ["DominoDraftModel True torch.float32", "DominoDraftModel False torch.bfloat16"]
     # transformers 5.17 refuses a remote model class for a config whose model_type is a built-in one ("qwen3", as the

@@ -12,9 +12,6 @@ decide the comparison, and in float32, where none occurs on these prompts (a flo
 passes would point at a near tie, not at a bug).
 """
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -26,7 +23,7 @@ from domino_spec.draft_building import from_target
 from domino_spec.generation import left_pad, speculative_generate
 
 from conftest import tiny_draft, tiny_target
-from speculative_helpers import OracleDraft, draft_from_scratch, random_prompts
+from speculative_helpers import OracleDraft, draft_from_scratch, random_prompts, run_offline
 
 NUM_PROMPTS = 50
 
@@ -392,13 +389,5 @@ def test_a_checkpoint_generates_without_the_package_verifying_every_draft(tmp_pa
         "    print(torch.equal(out, expected), any('domino_spec package' in str(w.message) for w in caught))\n"
         "print('domino_spec' in sys.modules)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "target"), str(tmp_path / "draft")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_offline(script, str(tmp_path / "target"), str(tmp_path / "draft"), cwd=tmp_path)
     assert result.stdout.split() == ["True", "True"] * 4 + ["False"], result.stdout + result.stderr[-3000:]
