@@ -127,6 +127,7 @@ class MethodRun:
     """Totals of one method on one evaluation set."""
 
     seconds: float = 0.0
+    prefill_seconds: float | None = None  # native engine: the prompts' pass, within `seconds`
     new_tokens: int = 0
     verified_tokens: int = 0  # tokens committed by verify passes (tau's numerator)
     verify_passes: int = 0  # per row: a batched pass counts once for each row it serves
@@ -151,6 +152,14 @@ class MethodRun:
         if expected is not None:
             self.identical += sum(tokens == reference for tokens, reference in zip(rows, expected))
 
+    def add(self, other: "MethodRun") -> None:
+        """Count `other`'s calls as this run's too (the processes of a cold cell)."""
+        for name, value in vars(other).items():
+            mine = getattr(self, name)
+            if value is not None and not name.startswith("position_"):
+                setattr(self, name, value if mine is None else mine + value)
+        self.add_position_counts(other.position_accepted, other.position_verified)
+
     def add_position_counts(self, accepted: list[int], verified: list[int]) -> None:
         self.position_accepted = [a + b for a, b in zip_longest(self.position_accepted, accepted, fillvalue=0)]
         self.position_verified = [a + b for a, b in zip_longest(self.position_verified, verified, fillvalue=0)]
@@ -173,6 +182,7 @@ class MethodRun:
             "prompts": self.prompts,
             "new_tokens": self.new_tokens,
             "seconds": round(self.seconds, 3),
+            "prefill_seconds": None if self.prefill_seconds is None else round(self.prefill_seconds, 3),
             "tokens_per_s": round(tokens_per_s, 3) if tokens_per_s else None,
             "speedup": self.speedup(baseline),
             "speedup_over_eager": self.speedup(eager) if eager is not None else None,
@@ -306,6 +316,7 @@ def _decode_native(
         **sampling,
     )
     run.seconds += clock() - start
+    run.prefill_seconds = (run.prefill_seconds or 0.0) + output.prefill_time
     width = input_ids.shape[1]
     for lengths in output.acceptance_lengths:
         run.round_lengths += lengths
@@ -340,12 +351,14 @@ def run_bench(
     thinking: bool | None = None,
     optimization: CPUOptimization | None = None,
     settings: Sequence[Setting] = (Setting(),),
+    repeats: int = 1,
 ) -> dict:
     """Every method on every prompt (`{eval_set: eval_prompts(eval_set)}`) in every setting it applies to
     (`Setting.methods`), with the baselines they need added (`with_baselines`), on the target and drafts
     `optimization` prepared, if any; returns what `bench_report.write_results` writes, with the cost model of each
     draft as its batch-1 rounds learned it in this run (`cost_aware.learned_costs`). `texts` holds the outputs of the
-    first setting (what `--quality` scores)."""
+    first setting's first repeat (what `--quality` scores). `repeats` decodes every batch that many times per method
+    (more samples of each cell on a noisy machine)."""
     missing = [m for m in methods if m in DRAFT_OF and drafts.get(DRAFT_OF[m]) is None]
     if missing:
         raise ValueError(f"methods {missing} need a draft: pass --domino DIR and/or --dflash DIR, or drop them")
@@ -355,11 +368,11 @@ def run_bench(
     results, texts = [], None
     for setting in settings:
         runs = bench_setting(
-            target, drafts, prompt_ids, setting.methods(methods), setting, max_new_tokens, eos, optimization
+            target, drafts, prompt_ids, setting.methods(methods), setting, max_new_tokens, eos, optimization, repeats
         )
         texts = texts or {
             name: {
-                m: [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in run.outputs]
+                m: [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in run.outputs[: len(prompts[name])]]
                 for m, run in by_method.items()
             }
             for name, by_method in runs.items()
@@ -381,6 +394,7 @@ def run_bench(
             "cpu_optimization": optimization is not None,
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
             "warmup_tokens": WARMUP_TOKENS,
+            "repeats": repeats,
         },
         "machine": machine_description(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -406,10 +420,13 @@ def bench_setting(
     max_new_tokens: int,
     eos: list[int],
     optimization: CPUOptimization | None = None,
+    repeats: int = 1,
 ) -> dict[str, dict[str, MethodRun]]:
-    """`{eval_set: {method: MethodRun}}` of one setting: each batch of prompts decoded by every method in turn, after
-    an untimed warm-up per method (no method pays the one-off costs of a first call at this batch size: allocations,
-    kernel choice; `--cold` measures those). Greedy outputs are compared with the reference's (`reference_method`)."""
+    """`{eval_set: {method: MethodRun}}` of one setting: each batch of prompts decoded by every method in turn,
+    `repeats` times, after an untimed warm-up per method (no method pays the one-off costs of a first call at this
+    batch size: allocations, kernel choice; `--cold` measures those). Greedy outputs are compared with the
+    reference's (`reference_method`)."""
+    methods = list(methods)
     reference = reference_method(methods)
     generators = {method: sampling_generator(target.device, setting) for method in methods}
     warmup_batch = next(ids for ids in prompt_ids.values() if ids)[: setting.batch_size]
@@ -435,18 +452,31 @@ def bench_setting(
         for start in range(0, len(ids), setting.batch_size)
     ]
     progress = tqdm(
-        total=sum(len(batch) for _, batch in batches) * len(methods), desc=f"bench {setting.label()}", unit="decode"
+        total=sum(len(batch) for _, batch in batches) * len(methods) * repeats,
+        desc=f"bench {setting.label()}",
+        unit="decode",
     )
-    for name, batch in batches:
-        expected = None
-        for method in sorted(methods, key=lambda method: method != reference):  # the reference first
-            run = runs[name][method]
-            rows = decode(
-                method, target, drafts, batch, max_new_tokens, eos, run, optimization, setting, generators[method]
-            )
-            expected = rows if method == reference else expected
-            run.record_outputs(rows, expected if setting.greedy else None)
-            progress.update(len(batch))
+    for repeat in range(repeats):
+        for name, batch in batches:
+            # Every other repeat in reverse order: a machine speeding up or slowing down favours no method.
+            order = methods if repeat % 2 == 0 else methods[::-1]
+            outputs = {}
+            for method in order:
+                outputs[method] = decode(
+                    method,
+                    target,
+                    drafts,
+                    batch,
+                    max_new_tokens,
+                    eos,
+                    runs[name][method],
+                    optimization,
+                    setting,
+                    generators[method],
+                )
+                progress.update(len(batch))
+            for method in methods:
+                runs[name][method].record_outputs(outputs[method], outputs[reference] if setting.greedy else None)
     progress.close()
     return runs
 

