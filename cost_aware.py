@@ -107,16 +107,18 @@ MAX_TIMING_COUNT = 8  # how much a draft count's estimate weighs against its nei
 
 
 class CostModel:
-    """What a round costs at one batch size, learned from a process's own verify passes and drafting rounds, so no
-    call pays an up-front measurement: a running average of the timings of each draft count, fitted non-decreasing
-    in the count (a count timed once after a stall is pooled with the often-timed counts around it), and where a
-    count was never timed the prior shape (`PRIOR_VERIFY_STEPS_PER_DRAFT`) scaled to the nearest timed count. Every
-    decision weighs ratios of costs, so before any timing the prior alone decides."""
+    """What a round costs at one batch size, learned from a process's own verify passes and drafting rounds (all but
+    the first, which builds the draft's kernels for the batch's shapes), so no call pays an up-front measurement: a
+    running average of the timings of each draft count, fitted non-decreasing in the count (a count timed once after
+    a stall is pooled with the often-timed counts around it), and where a count was never timed the prior shape
+    (`PRIOR_VERIFY_STEPS_PER_DRAFT`) scaled to the nearest timed count. Every decision weighs ratios of costs, so
+    before any timing the prior alone decides."""
 
     def __init__(self, num_drafts: int):
         self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
         self.verify_counts = [0] * (num_drafts + 1)
         self.draft_seconds: float | None = None
+        self.draft_rounds = 0
 
     def observe_verify(self, num_drafts: int, seconds: float) -> None:
         previous = self.verify_seconds[num_drafts]
@@ -126,7 +128,9 @@ class CostModel:
         self.verify_counts[num_drafts] = min(self.verify_counts[num_drafts] + 1, MAX_TIMING_COUNT)
 
     def observe_draft(self, seconds: float) -> None:
-        self.draft_seconds = _average(self.draft_seconds, seconds)
+        self.draft_rounds += 1
+        if self.draft_rounds > 1:  # the first round at a batch size builds the draft's kernels for its shapes
+            self.draft_seconds = _average(self.draft_seconds, seconds)
 
     @property
     def knows_plain_step(self) -> bool:
@@ -267,13 +271,14 @@ class CostAwareDrafting:
         if self.max_ngram_size == 0 or limit == 0:
             return None
         # Fewer tokens never pay more than `limit` of them: where no n-gram size's would, no row is searched.
-        pays = {size: self._lookup_length(size, limit, costs) > 0 for size in range(1, self.max_ngram_size + 1)}
-        if not any(pays.values()):
+        if self._lookup_length(self.max_ngram_size, limit, costs) == 0 and not any(
+            self._lookup_length(size, limit, costs) for size in range(1, self.max_ngram_size)
+        ):
             return None
         found, lengths = [], []
         for sequence in sequences:
             tokens, size = prompt_lookup(sequence, self.max_ngram_size, limit)
-            length = self._lookup_length(size, tokens.shape[0], costs) if size and pays[size] else 0
+            length = self._lookup_length(size, tokens.shape[0], costs) if size else 0
             if length == 0:
                 return None
             found.append((tokens, size))
