@@ -71,6 +71,13 @@ def generate_data_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="use the first N unique prompts")
     parser.add_argument("--max-prompt-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--keep-responses",
+        action="store_true",
+        help="keep each conversation's own first answer instead of regenerating it (no decoding: the draft then "
+        "trains on the target's soft targets over that text, `cache-features --soft_targets K` and `train "
+        "--soft_targets K`, one prefill per conversation); rewrites --output",
+    )
     args = parser.parse_args(argv)
     for flag in ("max_new_tokens", "batch_size", "max_prompt_tokens"):
         value = getattr(args, flag)
@@ -91,15 +98,29 @@ def generate_data(argv: list[str]) -> None:
     from .generation.cpu import optimize_for_cpu
     from .generation.engine import speculative_generate
     from .targets import load_target
-    from .training.data import load_prompts, regenerate_responses
+    from .training.data import kept_responses, load_prompts, regenerate_responses
 
     args = generate_data_arguments(argv)
+    thinking = None if args.thinking is None else args.thinking == "on"
+    if args.keep_responses:
+        target, tokenizer = load_target(args.target)
+        written = kept_responses(
+            target,
+            tokenizer,
+            args.prompts,
+            args.output,
+            max_new_tokens=args.max_new_tokens,
+            thinking=thinking,
+            max_prompt_tokens=args.max_prompt_tokens,
+            limit=args.limit,
+        )
+        print(f"wrote {written} conversations with their own answers to {args.output}")
+        return
     prompts = load_prompts(args.prompts, limit=args.limit)  # before the target: a bad file fails without the wait
     target, tokenizer = load_target(args.target)
     if target.device.type == "cpu":  # a batch of rows per step: row counts eager nn.Linear is slow at
         print("preparing the target for batched passes on this CPU (optimize_for_cpu)", flush=True)
         optimize_for_cpu(target)
-    thinking = None if args.thinking is None else args.thinking == "on"
     existed = os.path.exists(args.output)
     try:
         written = regenerate_responses(

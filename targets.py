@@ -118,10 +118,15 @@ def check_model_folder(folder: str) -> None:
         )
 
 
-def prompt_token_ids(tokenizer, messages: list[dict], thinking: bool | None = None) -> list[int]:
-    """The target's chat template with the assistant turn opened. `thinking` sets Qwen3's `enable_thinking`."""
+def prompt_token_ids(
+    tokenizer, messages: list[dict], thinking: bool | None = None, answer: str | None = None
+) -> list[int]:
+    """The target's chat template with the assistant turn opened, or holding `answer`. `thinking` sets Qwen3's
+    `enable_thinking`."""
     extra = {} if thinking is None else {"enable_thinking": thinking}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+    if answer is not None:
+        messages = [*messages, {"role": "assistant", "content": answer}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=answer is None, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

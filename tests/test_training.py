@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from packaging import version
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from domino_spec import DominoDraftModel, DraftingOptions
 from domino_spec.draft_building import from_target
@@ -1069,6 +1069,48 @@ def test_regeneration_resumes_after_kill(tmp_path, tiny_target_dir):
     assert result.returncode == 0, result.stderr
     ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]
     assert sorted(ids) == sorted(p["id"] for p in prompts)  # none lost, none twice, the cut line gone
+
+
+def test_kept_responses_are_each_conversations_first_answer_and_train_on_the_targets_soft_targets(
+    tmp_path, tiny_target_dir, capsys
+):
+    """`generate-data --keep-responses`: the first exchange of each conversation, its own answer tokenized as the chat
+    template holds it (cut at --max-new-tokens), no target pass; `train` refuses it without soft targets."""
+    from domino_spec.cli import main
+
+    def conversation(record_id, *turns):
+        return {"id": record_id, "conversations": [{"from": role, "value": text} for role, text in turns]}
+
+    sharegpt = [
+        conversation("a", ("human", "what is 2 + 2?"), ("gpt", "four"), ("human", "and 3 + 3?"), ("gpt", "six")),
+        conversation("b", ("human", "what is 2 + 2?"), ("gpt", "4")),  # the same prompt again: dropped
+        conversation("c", ("human", "no answer here")),
+        conversation("d", ("system", "be brief"), ("human", "count"), ("gpt", "one two three four five six")),
+        conversation("e", ("human", "empty answer"), ("gpt", "  ")),
+    ]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(sharegpt))
+    output = tmp_path / "kept.jsonl"
+    command = ["generate-data", "--target", tiny_target_dir, "--prompts", str(tmp_path / "sharegpt.json")]
+    main([*command, "--output", str(output), "--keep-responses", "--max-new-tokens", "12"])
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [record["id"] for record in records] == ["a", "d"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    first, second = records
+    assert first["messages"] == [{"role": "user", "content": "what is 2 + 2?"}]
+    assert first["prompt_ids"] == prompt_token_ids(tokenizer, first["messages"])
+    assert first["response_ids"] == tokenizer("four", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert first["response"] == "four"
+    assert second["messages"][0] == {"role": "system", "content": "be brief"}
+    assert len(second["response_ids"]) == 12 and second["response"] == "one two thre"  # cut, no end of turn
+    assert first["generation"]["responses"] == "kept" and first["generation"]["max_new_tokens"] == 12
+    flags = ["--target", tiny_target_dir, "--data", str(output), "--draft_layers", "1", "--block_size", "4"]
+    flags += ["--num_anchors", "4", "--report_to", "none", "--disable_tqdm", "true"]
+    with pytest.raises(ValueError, match="own answers .*--soft_targets K"):
+        main(["train", *flags, "--output", str(tmp_path / "refused")])
+    main(["cache-features", *flags, "--output", str(tmp_path / "features"), "--soft_targets", "4"])
+    flags += ["--features", str(tmp_path / "features"), "--soft_targets", "4"]
+    main(["train", *flags, "--output", str(tmp_path / "draft"), "--max_steps", "1"])
+    assert (tmp_path / "draft" / "model.safetensors").exists()
 
 
 def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir):

@@ -94,21 +94,24 @@ def _prompt_from_record(record: dict, index: int, source: str) -> Prompt | None:
     return Prompt(id=record_id, messages=messages)
 
 
+def _records(path: str) -> Iterable[dict]:
+    if os.path.isdir(path):
+        import datasets
+
+        return datasets.load_from_disk(path)
+    if path.endswith(".jsonl"):
+        return _read_jsonl(path)
+    if path.endswith(".json"):
+        return read_sharegpt(path)
+    raise ValueError(f"unsupported prompt file {path!r}: use .jsonl, a ShareGPT .json array, or a datasets folder")
+
+
 def load_prompts(path: str, limit: int | None = None) -> list[Prompt]:
     """Prompts from a `.jsonl` file (`prompt` or `messages` per line), a ShareGPT `.json` array, or a folder saved
     with `datasets.Dataset.save_to_disk` (same fields). Multi-turn records give their first user turn.
     Duplicate prompts (same messages) are dropped, keeping the first.
     """
-    if os.path.isdir(path):
-        import datasets
-
-        records: Iterable[dict] = datasets.load_from_disk(path)
-    elif path.endswith(".jsonl"):
-        records = _read_jsonl(path)
-    elif path.endswith(".json"):
-        records = read_sharegpt(path)
-    else:
-        raise ValueError(f"unsupported prompt file {path!r}: use .jsonl, a ShareGPT .json array, or a datasets folder")
+    records = _records(path)
     prompts, seen = [], set()
     source = os.path.basename(path.rstrip("/"))
     for index, record in enumerate(records):
@@ -305,6 +308,78 @@ def regenerate_responses(
             written += len(batch)
             progress.update(len(batch))
     progress.close()
+    return written
+
+
+def kept_responses(
+    target,
+    tokenizer,
+    path: str,
+    output_path: str,
+    max_new_tokens: int = 512,
+    thinking: bool | None = None,
+    max_prompt_tokens: int = 2048,
+    limit: int | None = None,
+) -> int:
+    """Write each conversation's first exchange as a training record with its own answer kept, not regenerated:
+    `{id, messages, prompt_ids, response_ids, response, generation}` as `regenerate_responses` writes them, the
+    answer cut at `max_new_tokens` tokens, `generation` holding the target's signature and `"responses": "kept"`.
+    `path` is a prompt file as `load_prompts` reads, whose records hold the answer (ShareGPT `conversations`, or
+    `messages` with an assistant turn after the first user turn); duplicates are dropped.
+
+    No target pass: a draft learns from these the target's own next-token distribution at every position of the kept
+    text (soft targets, `cache-features --soft_targets K`), one prefill per conversation instead of a decode step
+    per token. `output_path` is written whole (through a temporary file); returns the number of records."""
+    settings = {
+        "target": _record_signature(target),
+        "max_new_tokens": max_new_tokens,
+        "thinking": thinking,
+        "responses": "kept",
+    }
+    source = os.path.basename(path.rstrip("/"))
+    eos = tokenizer.eos_token_id
+    seen, written = set(), 0
+    partial = output_path + ".partial"
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    with open(partial, "w", encoding="utf-8") as output:
+        for index, record in enumerate(tqdm(_records(path), desc="keeping responses", unit="record")):
+            turns = record.get("conversations", record.get("messages"))
+            messages = _sharegpt_messages(turns) if isinstance(turns, list) else []
+            prompt = _first_turn(messages)
+            if not prompt or len(messages) <= len(prompt) or messages[len(prompt)]["role"] != "assistant":
+                continue  # no answer to keep
+            answer = messages[len(prompt)]["content"]
+            key = _messages_key(prompt)
+            prompt_ids = prompt_token_ids(tokenizer, prompt, thinking)
+            if (
+                key in seen
+                or not answer.strip()
+                or not prompt[-1]["content"].strip()
+                or len(prompt_ids) > max_prompt_tokens
+            ):
+                continue
+            seen.add(key)
+            conversation_ids = prompt_token_ids(tokenizer, prompt, thinking, answer=answer)
+            if conversation_ids[: len(prompt_ids)] == prompt_ids:
+                response_ids = conversation_ids[len(prompt_ids) :]
+            else:  # a template that renders the answered turn otherwise (e.g. drops an empty thinking block)
+                response_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+            if eos in response_ids:  # what follows the end of the turn is the template's, not the answer's
+                response_ids = response_ids[: response_ids.index(eos) + 1]
+            response_ids = response_ids[:max_new_tokens]
+            kept = {
+                "id": str(record.get("id", f"{source}-{index}")),
+                "messages": prompt,
+                "prompt_ids": prompt_ids,
+                "response_ids": response_ids,
+                "response": tokenizer.decode(response_ids, skip_special_tokens=True),
+                "generation": settings,
+            }
+            output.write(json.dumps(kept, ensure_ascii=False) + "\n")
+            written += 1
+            if limit is not None and written >= limit:
+                break
+    os.replace(partial, output_path)
     return written
 
 

@@ -218,9 +218,16 @@ def main(argv: list[str]) -> None:
             f"--eval_strategy {training_args.eval_strategy.value} needs held-out data: add --eval_data "
             "(a regenerated .jsonl, as --data)."
         )
+    generation = generation_settings(draft_args.data)
+    if (generation or {}).get("responses") == "kept" and not training_args.soft_targets:
+        raise ValueError(
+            f"{draft_args.data} holds the conversations' own answers (generate-data --keep-responses), not the "
+            "target's: a draft learns the target from its soft targets over that text. Add --soft_targets K, with "
+            "--features from `domino-spec cache-features --soft_targets K`."
+        )
     set_seed(training_args.seed)
     target, tokenizer, dataset, eval_dataset = load_target_and_data(draft_args)
-    data_summary = {**summarize(dataset), "generation": generation_settings(draft_args.data)}
+    data_summary = {**summarize(dataset), "generation": generation}
     print(json.dumps({"data": data_summary}, indent=2))
     draft = build_draft(draft_args, target, tokenizer, dataset)
     checkpoint = checkpoint_to_resume(training_args)

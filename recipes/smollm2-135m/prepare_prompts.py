@@ -22,7 +22,7 @@ import random
 
 from domino_spec import assets
 from domino_spec.generation.eval_sets import EVAL_SETS, GSM_EVAL_SEED, eval_prompts
-from domino_spec.training.data import load_prompts
+from domino_spec.training.data import load_prompts, read_sharegpt
 
 GSM_TRAIN_SEED = 1
 ORIGINAL_SHAREGPT, ORIGINAL_GSM = 2400, 1600  # the first recipe's pool
@@ -56,6 +56,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="training prompts, in regeneration order")
     parser.add_argument("--held-out-output", default=None, help="held-out prompts (default: none written)")
+    parser.add_argument(
+        "--kept-output",
+        default=None,
+        help="the training pool's ShareGPT conversations with their own answers, in the same order, for "
+        "`generate-data --keep-responses` (labels from the target's soft targets instead of regeneration)",
+    )
     parser.add_argument("--first", type=int, default=2000, help="prompts of the original recipe's pool first")
     parser.add_argument("--sharegpt", type=int, default=6500, help="ShareGPT prompts in the pool")
     parser.add_argument("--gsm", type=int, default=4000, help="gsm_symbolic training problems in the pool")
@@ -88,6 +94,10 @@ def main() -> None:
     write_jsonl(args.output, training)
     if args.held_out_output:
         write_jsonl(args.held_out_output, held_out)
+    if args.kept_output:
+        conversations = {f"sharegpt-{record.get('id')}": record for record in read_sharegpt(assets.sharegpt_path())}
+        kept = [{**conversations[r["id"]], "id": r["id"]} for r in training if r["id"] in conversations]
+        write_jsonl(args.kept_output, kept)
     print(
         f"{len(training)} training prompts ({len(first)} of the original pool first), {len(held_out)} held out; "
         f"0 overlap with {len(evaluation)} evaluation prompts -> {args.output}"

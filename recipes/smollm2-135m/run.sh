@@ -31,6 +31,11 @@ domino-spec cache-features --config $RECIPE/train.yaml --data $DATA --output $FE
 # that shipped them ($RECIPE/shipped_curve.txt). The DFlash-only draft trains from scratch where none was kept.
 # Another `--variant "NAME=TRAIN FLAGS"` adds a recipe change to compare, e.g. "block-16=--block_size 16" (a fresh
 # draft), "soft-targets=--soft_targets 16" (its store from `cache-features ... --soft_targets 16`, another --output).
+# The cheaper labels keep ShareGPT's own answers to the same prompts and learn the target from its soft targets over
+# them (one prefill per conversation, no decoding): prepare_prompts.py --kept-output $RUN/kept_conversations.jsonl,
+# then `domino-spec generate-data --keep-responses --prompts $RUN/kept_conversations.jsonl --output $RUN/kept.jsonl
+# --max-new-tokens 256`, `cache-features --data $RUN/kept.jsonl --soft_targets 16` and a variant with --data, --features
+# and --soft_targets 16 of its own, compared at equal CPU-hours on the same held-out proxy.
 WARM="--warmup_steps 100"
 PREVIOUS=$(cat $RECIPE/shipped_curve.txt)
 DFLASH=$RECIPE/dflash-bf16
