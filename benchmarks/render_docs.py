@@ -165,6 +165,12 @@ def matrix_section(report: dict) -> str:
         f"{machine['processor']} {machine['device'].upper()}, torch {versions['torch']}, transformers "
         f"{versions['transformers']}. B: prompts per call. Warm: after a warm-up. Cold: a fresh process's first call "
         "(its first batch), `optimize_for_cpu` and every set-up of the call included, model loading excluded."
+        + (
+            f" Every batch and every first call ran {config['repeats']} times per method, in turn, the order "
+            "reversed every other time, their times summed."
+            if config.get("repeats", 1) > 1
+            else ""
+        )
     )
     return f"{text}\n\n{matrix_table(report['results'])}"
 
