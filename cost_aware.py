@@ -137,6 +137,11 @@ class CostModel:
         """Whether a plain decode step was timed: the cost every alternative is weighed against."""
         return self.verify_seconds[0] is not None
 
+    @property
+    def knows_draft_cost(self) -> bool:
+        """Whether a drafting round was timed (past the first, which builds kernels)."""
+        return self.draft_seconds is not None
+
     def costs(self) -> DraftCosts:
         timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
         fitted = dict(
@@ -189,7 +194,7 @@ class FixedCosts(CostModel):
     def observe_draft(self, seconds: float) -> None:
         pass
 
-    knows_plain_step = True
+    knows_plain_step = knows_draft_cost = True
 
     def costs(self) -> DraftCosts:
         return self._costs
@@ -226,6 +231,10 @@ class CostAwareDrafting:
         self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
         self.expected: torch.Tensor | None = None  # [S]: recent rounds' calibrated reach (`expected_rates`), per token
         self.pays, self.skipped, self.wait = True, 0, 1
+        # Per batch size: drafted rounds' tokens per second over plain steps', as they turned out (a running average;
+        # a batch size without rounds of its own goes by the nearest one's).
+        self.realized_gain: dict[int, float] = {}
+        self.draft_seconds = None  # the last drafted round's, until it is verified
         # Drafts accepted, and the probability the draft predicted for them summed, over drafts verified with all
         # before them accepted (a chain's confidences) or over every node (a tree's path probabilities). Both start
         # at 2: a prior of a calibrated draft.
@@ -258,7 +267,7 @@ class CostAwareDrafting:
             return sequences[0].new_zeros(len(sequences), 0)
         costs = cost_model.costs()
         if self.expected is not None:  # at this batch size's costs, which the last round may have changed
-            self.pays = self._drafting_pays(costs)
+            self.pays = self._drafting_pays(costs, len(sequences))
         drafts = self.pays or self.skipped >= self.wait
         looked_up = None if tree and drafts else self._look_up(sequences, limit, costs)
         if looked_up is None and drafts:
@@ -295,7 +304,9 @@ class CostAwareDrafting:
 
     def drafted(self, seconds: float, batch_size: int) -> None:
         """A drafting round of `batch_size` rows took `seconds`."""
-        self.cost_models(batch_size).observe_draft(seconds)
+        cost_model = self.cost_models(batch_size)
+        cost_model.observe_draft(seconds)
+        self.draft_seconds = seconds if cost_model.knows_draft_cost else None  # not while its kernels are built
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:
         """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
@@ -321,15 +332,20 @@ class CostAwareDrafting:
         costs = self.cost_models(reach.shape[0]).costs()
         recent = reach.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
-        self.pays = self._drafting_pays(costs)
+        self.pays = self._drafting_pays(costs, reach.shape[0])
         looks = math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
         longest = max(self.MAX_SKIPPED, looks)
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, longest)
         return costs
 
-    def _drafting_pays(self, costs: DraftCosts) -> bool:
-        """Whether a round with the recent rounds' reach commits tokens faster than a plain step."""
-        return max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
+    def _drafting_pays(self, costs: DraftCosts, batch_size: int) -> bool:
+        """Whether a round with the recent rounds' reach commits tokens faster than a plain step, and drafted rounds
+        at this batch size did, as they turned out (where the draft's confidence misleads, e.g. a wide batch)."""
+        predicted = max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
+        if not predicted or not self.realized_gain:
+            return predicted
+        nearest = min(self.realized_gain, key=lambda size: (abs(size - batch_size), -size))  # rows leave a batch
+        return self.realized_gain[nearest] >= 1.0
 
     def accepted(
         self,
@@ -342,7 +358,13 @@ class CostAwareDrafting:
         verify pass (with acceptance) took. After a tree round with looked-up branches, `committed` `[B, >= k + 1]`
         holds each row's accepted tokens, then the target's."""
         if seconds is not None:
-            self.cost_models(len(num_accepted)).observe_verify(num_verified, seconds)
+            cost_model = self.cost_models(len(num_accepted))
+            cost_model.observe_verify(num_verified, seconds)
+            if self.draft_seconds is not None and cost_model.knows_plain_step:
+                plain_rate = len(num_accepted) / cost_model.costs().verify_seconds[0]
+                gain = (len(num_accepted) + sum(num_accepted)) / (self.draft_seconds + seconds) / plain_rate
+                self.realized_gain[len(num_accepted)] = _average(self.realized_gain.get(len(num_accepted)), gain)
+        self.draft_seconds = None
         positions = torch.arange(num_verified)
         accepted = torch.tensor(num_accepted)[:, None]
         reached, hit = positions <= accepted, positions < accepted  # [B, k]
@@ -367,7 +389,7 @@ class CostAwareDrafting:
     def forget_round(self) -> None:
         """Drop what the last round left to verify: its predictions and looked-up tokens (a call that stopped
         mid-round leaves them)."""
-        self.looked_up, self.branches, self.predictions = [], [], None
+        self.looked_up, self.branches, self.predictions, self.draft_seconds = [], [], None, None
 
     def _lookup_length(self, ngram_size: int, num_tokens: int, costs: DraftCosts) -> int:
         """How many of `num_tokens` looked-up tokens to verify: 0 where a drafting round (if it pays) or a plain step

@@ -269,6 +269,25 @@ def test_a_wide_batch_whose_drafting_costs_most_of_a_step_looks_again_less_often
     assert [b - a for a, b in zip(drafted_rounds, drafted_rounds[1:])][-2:] == [31, 31]
 
 
+def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_plain_steps():
+    """A draft sure of its tokens that the target rejects: its rounds predict a gain and deliver a loss."""
+    drafting = CostAwareDrafting(STEEP)
+    committed = [torch.tensor([1, 2, 3])] * 4
+    sure = torch.full((4, 6), 0.9)
+    assert drafting.plan(committed, limit=6) is None
+    drafting.drafted(0.2, batch_size=4)
+    num_drafts = drafting.length(sure, limit=6)
+    assert num_drafts > 0 and drafting.pays
+    drafting.accepted(num_drafts, [0] * 4, seconds=STEEP.verify_seconds[num_drafts])  # none accepted
+    assert drafting.realized_gain[4] == pytest.approx(1 / (0.2 + STEEP.verify_seconds[num_drafts]))
+    assert drafting.plan(committed, limit=6).shape == (4, 0)  # plain steps, though the confidences still promise
+    drafting.skipped = 0  # before its next look
+    assert drafting.plan(committed[:3], limit=6).shape == (3, 0)  # a row left the batch: the nearest size's gain
+    drafting.realized_gain[1] = 1.5  # where drafted rounds did pay, drafting goes on
+    drafting.skipped = 0
+    assert drafting.plan(committed[:1], limit=6) is None
+
+
 def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
     """After skipped rounds the draft catches up on the context it did not read: its blocks are a fresh draft's."""
     target = tiny_target("qwen3", dtype=torch.float64)
