@@ -358,13 +358,13 @@ class CostAwareDrafting:
         verify pass (with acceptance) took. After a tree round with looked-up branches, `committed` `[B, >= k + 1]`
         holds each row's accepted tokens, then the target's."""
         if seconds is not None:
-            cost_model = self.cost_models(len(num_accepted))
+            batch_size = len(num_accepted)
+            cost_model = self.cost_models(batch_size)
             cost_model.observe_verify(num_verified, seconds)
             if self.draft_seconds is not None and cost_model.knows_plain_step:
-                plain_rate = len(num_accepted) / cost_model.costs().verify_seconds[0]
-                gain = (len(num_accepted) + sum(num_accepted)) / (self.draft_seconds + seconds) / plain_rate
-                self.realized_gain[len(num_accepted)] = _average(self.realized_gain.get(len(num_accepted)), gain)
-        self.draft_seconds = None
+                plain_rate = batch_size / cost_model.costs().verify_seconds[0]
+                gain = (batch_size + sum(num_accepted)) / (self.draft_seconds + seconds) / plain_rate
+                self.realized_gain[batch_size] = _average(self.realized_gain.get(batch_size), gain)
         positions = torch.arange(num_verified)
         accepted = torch.tensor(num_accepted)[:, None]
         reached, hit = positions <= accepted, positions < accepted  # [B, k]
