@@ -9,11 +9,13 @@ steps; every checkpoint is then scored twice:
   first `--tau-prompts` prompts of each bench set, `--tau-tokens` new tokens each.
 
 The x axes are the training examples seen and the CPU-hours the training process spent to reach the checkpoint (its
-wall time, read from the checkpoint's files, times its torch threads). Every variant reads the same data in the same
-order with the same seed. `--parallel` trains the variants at once, the cores split between them: on a small CPU a
-step's small matrices gain little from a second thread, so this draws more curves per hour. Rerunning skips the
-training and scoring already done. Prints a table and writes the results (JSON), a Markdown table and a figure
-beside `--output`.
+wall time, read from the checkpoint's files, times its torch threads), plus, with `--label-cpu-hours`, what labelling
+the variant's data cost (regenerated responses against cheaper labels, at equal cost). Every variant reads the same
+data in the same order
+with the same seed (a variant's own `--data` flag replaces it). `--parallel` trains the variants at once, the cores
+split between them: on a small CPU a step's small matrices gain little from a second thread, so this draws more
+curves per hour. Rerunning skips the training and scoring already done. Prints a table and writes the results (JSON),
+a Markdown table and a figure beside `--output`.
 
 A curve goes on across sessions: with `--continues` the results of the session whose drafts a variant starts from
 (`--init_from` in its flags), that variant's steps, examples and CPU-hours count on from the last point of its
@@ -90,8 +92,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the results JSON of the session the --init_from variants go on from",
     )
+    parser.add_argument(
+        "--label-cpu-hours",
+        action="append",
+        default=[],
+        metavar="NAME=HOURS",
+        help="CPU-hours spent labelling the variant's data (regenerating it, a soft-target pass), counted into its "
+        "CPU-hours from step 0, so variants compare at equal cost (repeatable)",
+    )
     args = parser.parse_args(argv)
     args.variant = dict(variant.split("=", 1) for variant in args.variant)
+    try:
+        args.label_cpu_hours = {name: float(hours) for name, hours in (v.split("=", 1) for v in args.label_cpu_hours)}
+    except ValueError:
+        parser.error("--label-cpu-hours takes NAME=HOURS, e.g. regenerated=1.16")
+    if unknown := set(args.label_cpu_hours) - set(args.variant):
+        parser.error(f"--label-cpu-hours names no --variant: {', '.join(sorted(unknown))}")
     return args
 
 
@@ -207,6 +223,7 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
     ]
     points = results["curves"].setdefault(name, {})
     start = results.get("starts", {}).get(name)
+    labelling = results.get("label_cpu_hours", {}).get(name, 0.0)
     for checkpoint in checkpoints(args, name):
         if checkpoint.name in points:
             continue
@@ -214,7 +231,7 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         examples = state["global_step"] * state["train_batch_size"]
         points[checkpoint.name] = {
-            **counted_from(start, state["global_step"], examples, cpu_hours(args, name, checkpoint)),
+            **counted_from(start, state["global_step"], examples, labelling + cpu_hours(args, name, checkpoint)),
             "epoch": round(state["epoch"], 3),  # of this run's data
             **proxy(args, name, draft, target, tokenizer, eval_dataset),
             "tau": round(tau(draft, target, prompts, eos, args.tau_tokens), 3),
@@ -242,6 +259,9 @@ def markdown(results: dict) -> str:
                 f"{point['tau']} |"
             )
     flags = "\n".join(f"- {name}: `{flags or '(the recipe)'}`" for name, flags in results["variants"].items())
+    if results.get("label_cpu_hours"):
+        labelled = ", ".join(f"{name} {hours}" for name, hours in results["label_cpu_hours"].items())
+        flags += f"\n\nCPU-hours include those spent labelling each variant's data: {labelled}."
     if results.get("starts"):
         flags += (
             f"\n\nSteps, examples and CPU-hours count on from `{results['recipe']['continues']}`, whose last "
@@ -263,7 +283,8 @@ def plot(results: dict, path: Path) -> None:
         axes[1].plot([p["cpu_hours"] for p in points], [p["tau"] for p in points], marker="o", label=name)
         axes[2].plot([p["examples"] for p in points], [p["acceptance_final"] for p in points], marker="o", label=name)
     axes[0].set(xlabel="training examples seen", ylabel="tau (bench prompts, greedy)")
-    axes[1].set(xlabel="CPU-hours of training", ylabel="tau (bench prompts, greedy)")
+    labelled = " and labelling" if results.get("label_cpu_hours") else ""
+    axes[1].set(xlabel=f"CPU-hours of training{labelled}", ylabel="tau (bench prompts, greedy)")
     axes[2].set(xlabel="training examples seen", ylabel="held-out acceptance proxy (final logits)")
     for axis in axes:
         axis.grid(alpha=0.3)
@@ -314,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["variants"].update(args.variant)
     results["recipe"] = recipe(args)
     results["starts"] = starts(args)
+    results["label_cpu_hours"] = args.label_cpu_hours
     results["settings"] = (
         f"Recipe `{args.config}`, data `{args.data}` (held out: `{args.eval_data}`), {args.steps} steps; tau on the "
         f"first {args.tau_prompts} prompts of each bench set, {args.tau_tokens} tokens. Machine: "

@@ -362,6 +362,26 @@ def test_learning_curve_refuses_to_add_to_the_curves_of_other_data_or_flags(tmp_
             learning_curve.load_results(learning_curve.parse_args([*flags, "--eval-every", "5", *argv]))
 
 
+def test_learning_curve_counts_a_variants_labelling_into_its_cpu_hours(tmp_path, capsys):
+    """Cheap labels and regenerated data compare at equal CPU-hours only with each one's labelling cost counted."""
+    learning_curve = load_benchmark("learning_curve")
+    flags = ["--config", "c.yaml", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5", "--data", "a.jsonl"]
+    flags += ["--output", str(tmp_path / "curves.json"), "--variant", "regenerated=", "--variant", "kept=--x 1"]
+    args = learning_curve.parse_args([*flags, "--label-cpu-hours", "regenerated=1.16", "--label-cpu-hours", "kept=.05"])
+    assert args.label_cpu_hours == {"regenerated": 1.16, "kept": 0.05}
+    assert learning_curve.parse_args(flags).label_cpu_hours == {}
+    for extra, problem in ((["--label-cpu-hours", "kept"], "NAME=HOURS"), (["--label-cpu-hours", "other=1"], "other")):
+        with pytest.raises(SystemExit):
+            learning_curve.parse_args([*flags, *extra])
+        assert problem in capsys.readouterr().err
+    point = {"step": 5, "examples": 10, "epoch": 0.1, "cpu_hours": 1.2, "loss": 5.0, "acceptance_base": 1.1}
+    point |= {"acceptance_final": 1.2, "tau": 1.3}
+    results = {"curves": {"regenerated": {"checkpoint-5": point}}, "variants": args.variant, "settings": "s"}
+    assert "labelling" not in learning_curve.markdown(results)
+    results["label_cpu_hours"] = args.label_cpu_hours
+    assert "labelling each variant's data: regenerated 1.16, kept 0.05" in learning_curve.markdown(results)
+
+
 def test_regeneration_throughput_benchmark_times_both_ways_on_the_same_answers(tmp_path):
     target = tiny_target("llama")
     target.generation_config.eos_token_id = 1
