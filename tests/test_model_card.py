@@ -1,6 +1,8 @@
 """Model cards: Hub metadata, usage, training details and the acceptance table; written on save and by `card`."""
 
 import json
+import subprocess
+import sys
 
 from huggingface_hub import ModelCard
 
@@ -69,7 +71,7 @@ def test_card_has_metadata_usage_training_and_acceptance(tmp_path):
     assert card.data.tags == ["speculative-decoding", "domino", "dflash"] and card.data.datasets == ["org/prompts"]
     text = card.text
     assert 'AutoModel.from_pretrained("me/smollm2-domino", trust_remote_code=True' in text
-    assert "assistant_model=draft" in text and "speculative_generate(target, draft" in text
+    assert "assistant_model=draft" in text and "speculative_generate(\n    target, draft" in text
     # SGLang cannot serve our own format: the card points it at the exported folder.
     assert "--speculative-algorithm DFLASH" in text and "--speculative-draft-model-path OUT" in text
     assert "domino-spec export --format sglang DRAFT_DIR OUT" in text
@@ -79,6 +81,21 @@ def test_card_has_metadata_usage_training_and_acceptance(tmp_path):
     assert "| global_step | 100 |" in text and "| last logged loss | 1.5 |" in text
     assert 'draft.push_to_hub("me/smollm2-domino")' in text
     assert json.loads((folder / "training_summary.json").read_text())["global_step"] == 100
+
+
+def test_card_states_every_training_session_and_its_snippets_are_formatted(tmp_path):
+    """A warm-started draft's own run counts only its session's steps: the card adds the totals of its learning curve,
+    and its code is formatted as the repository's (the test command checks the shipped card with ruff)."""
+    folder = _draft_folder(tmp_path, target_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    curve = {"step": 7500, "examples": 15000, "cpu_hours": 1.42, "results": "curves/learning_curve.json"}
+    path = model_card.write_model_card(str(folder), training={"global_step": 2500, "curve": curve})
+    text = ModelCard.load(path).text
+    assert "| global_step | 2500 |" in text and "| steps, all sessions | 7500 |" in text
+    assert "| training examples seen, all sessions | 15000 |" in text
+    assert "| CPU-hours of training, all sessions | 1.42 |" in text
+    assert "| learning curve | `curves/learning_curve.json` |" in text and "| curve |" not in text
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "format", "--diff", path], capture_output=True, text=True)
+    assert ruff.returncode == 0, ruff.stdout + ruff.stderr
 
 
 def test_card_of_an_exported_folder_says_to_upload_it_as_is(tmp_path):

@@ -136,3 +136,21 @@ def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_cu
         learning_curve.starts(learning_curve.parse_args(argv))
     with pytest.raises(SystemExit, match="was scored with another tau_tokens"):
         learning_curve.starts(learning_curve.parse_args([*argv, "--tau-tokens", "96"]))
+
+
+def test_shipping_records_the_totals_of_every_session_from_the_drafts_curve(tmp_path):
+    spec = importlib.util.spec_from_file_location("recipe_ship", RECIPE / "ship.py")
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    curve = tmp_path / "curve.json"
+    points = {f"checkpoint-{step}": {"step": step, "examples": 2 * step, "cpu_hours": step / 1000} for step in (8, 6)}
+    curve.write_text(json.dumps({"curves": {"domino": points}}))
+    (tmp_path / "training_summary.json").write_text(json.dumps({"global_step": 2}))
+    ship.record_curve(str(tmp_path), str(curve), "domino")
+    summary = json.loads((tmp_path / "training_summary.json").read_text())
+    assert summary == {
+        "global_step": 2,
+        "curve": {"step": 8, "examples": 16, "cpu_hours": 0.008, "results": str(curve)},
+    }
+    with pytest.raises(SystemExit, match="has no curve 'dflash'"):
+        ship.record_curve(str(tmp_path), str(curve), "dflash")

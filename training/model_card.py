@@ -160,11 +160,11 @@ tokenizer = AutoTokenizer.from_pretrained("{target}")
 {load}
 
 messages = [{{"role": "user", "content": "How many positive divisors does 196 have?"}}]
-inputs = tokenizer.apply_chat_template(
-    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-).to(target.device)
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True).to(
+    target.device
+)
 output = target.generate(**inputs, assistant_model=draft, max_new_tokens=256, do_sample=False)
-print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
 ```"""
     if published:
         transformers_snippet += (
@@ -177,9 +177,10 @@ from domino_spec.generation import speculative_generate
 from domino_spec.published_format import load_draft
 
 draft = load_draft("{repo_id}", dtype=target.dtype).to(target.device)
-result = speculative_generate(target, draft, inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                              max_new_tokens=256)
-print(tokenizer.decode(result.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+result = speculative_generate(
+    target, draft, inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=256
+)
+print(tokenizer.decode(result.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
 print("mean acceptance length:", result.mean_acceptance_length)
 ```"""
     sglang_head_note = (
@@ -224,6 +225,7 @@ card included, with `domino-spec card DRAFT_DIR --push-to-hub {repo_id}`, or fro
 
 ```python
 from huggingface_hub import HfApi
+
 HfApi().create_repo("{repo_id}", exist_ok=True)
 HfApi().upload_folder(folder_path="DRAFT_DIR", repo_id="{repo_id}")
 ```
@@ -233,6 +235,7 @@ Do not `push_to_hub` a draft loaded from it: that saves domino-spec's own format
         how = f"""```python
 draft.push_to_hub("{repo_id}")  # weights, config.json and the model code (trust_remote_code)
 from huggingface_hub import ModelCard
+
 ModelCard.load("DRAFT_DIR/README.md").push_to_hub("{repo_id}")
 ```
 or, for the whole draft (card, weights, code, training summary; never the folder's pickles such as
@@ -255,10 +258,22 @@ def data_rows(data: dict) -> list[tuple[str, object]]:
     ]
 
 
+def curve_rows(curve: dict) -> list[tuple[str, object]]:
+    """The card's rows on every session that trained the draft (a warm start goes on from the last): the totals of
+    the last point of its learning curve, which `ship.py --curve` records."""
+    return [
+        ("steps, all sessions", curve["step"]),
+        ("training examples seen, all sessions", curve["examples"]),
+        ("CPU-hours of training, all sessions", curve["cpu_hours"]),
+        ("learning curve", f"`{curve['results']}`"),
+    ]
+
+
 def training_section(summary: dict) -> str:
     last_logged = summary.get("last_logged") or {}
-    skipped = ("last_logged", "datasets", "license", "data")
+    skipped = ("last_logged", "datasets", "license", "data", "curve")
     rows = data_rows(summary["data"]) if summary.get("data") else []
+    rows += curve_rows(summary["curve"]) if summary.get("curve") else []
     rows += [(key, value) for key, value in summary.items() if key not in skipped]
     rows += [(f"last logged {key}", value) for key, value in last_logged.items()]
     return "## Training\n\n" + _table(rows)

@@ -49,15 +49,15 @@ python benchmarks/learning_curve.py --config $RECIPE/train.yaml --data $DATA --f
     --variant "domino=--init_from checkpoints/domino-smollm2-135m $WARM" \
     --variant "dflash=--use_domino_head false $DFLASH_FROM" --output $CURVE
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
-python $RECIPE/ship.py $CURVES/domino checkpoints/domino-smollm2-135m
-python $RECIPE/ship.py $CURVES/dflash $DFLASH
+python $RECIPE/ship.py $CURVES/domino checkpoints/domino-smollm2-135m --curve $CURVE
+python $RECIPE/ship.py $CURVES/dflash $DFLASH --curve $CURVE
 # --quality scores HumanEval by running SmolLM2's programs here, in the sandbox the README describes.
 domino-spec bench --domino checkpoints/domino-smollm2-135m --dflash $DFLASH --limit 10 --max-new-tokens 128 \
     --quality --allow-code-execution --output $RUN/bench
 cp $RUN/bench/bench_results.json benchmarks/results/bench_smollm2-135m.json
 cp $RUN/bench/bench_results.md benchmarks/results/bench_smollm2-135m.md
 cp $RUN/bench/bench_acceptance.png benchmarks/results/bench_smollm2-135m_acceptance.png
-python $RECIPE/ship.py $CURVES/domino checkpoints/domino-smollm2-135m --bench $RUN/bench/bench_results.json
+python $RECIPE/ship.py $CURVES/domino checkpoints/domino-smollm2-135m --curve $CURVE --bench $RUN/bench/bench_results.json
 # The next session's drafts go on from these.
 echo $CURVE > $RECIPE/shipped_curve.txt
 SHIPPED=(checkpoints/domino-smollm2-135m $DFLASH $RECIPE/shipped_curve.txt ${CURVE%.json}.{json,md,png}

@@ -30,11 +30,35 @@ def link_code_files(folder: str) -> None:
             os.symlink(os.path.relpath(os.path.join(root, name), os.path.abspath(folder)), os.path.join(folder, name))
 
 
+def record_curve(folder: str, curve_path: str, variant: str) -> None:
+    """Add the last point of `variant`'s curve in `curve_path` (steps, examples and CPU-hours counted across sessions)
+    to the training summary in `folder`, for its model card."""
+    with open(curve_path, encoding="utf-8") as file:
+        points = json.load(file)["curves"].get(variant)
+    if not points:
+        raise SystemExit(f"{curve_path} has no curve {variant!r}: name the trained folder like its variant")
+    last = max(points.values(), key=lambda point: point["step"])
+    path = os.path.join(folder, TRAINING_SUMMARY)
+    summary = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as file:
+            summary = json.load(file)
+    summary["curve"] = {key: last[key] for key in ("step", "examples", "cpu_hours")} | {"results": curve_path}
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(summary, file, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trained", help="the folder `domino-spec train` wrote")
     parser.add_argument("output", help="the shipped checkpoint folder (replaced)")
     parser.add_argument("--bench", default=None, help="bench_results.json to show on the card")
+    parser.add_argument(
+        "--curve",
+        default=None,
+        help="the learning curve JSON (benchmarks/learning_curve.py) that trained it: the card states the steps, "
+        "examples and CPU-hours of every session, from the last point of the curve named like the trained folder",
+    )
     args = parser.parse_args()
     draft = load_draft(args.trained, dtype=torch.bfloat16)
     draft.config.target_model_name = TARGETS["smollm2-135m"].hub_id  # the card's base_model
@@ -44,6 +68,8 @@ def main() -> None:
     summary = os.path.join(args.trained, TRAINING_SUMMARY)
     if os.path.exists(summary):
         shutil.copy(summary, args.output)
+    if args.curve:
+        record_curve(args.output, args.curve, os.path.basename(os.path.normpath(args.trained)))
     card_args = [args.output, "--datasets", "anon8231489123/ShareGPT_Vicuna_unfiltered"]
     if args.bench:  # the table and its context, without the generated texts
         with open(args.bench, encoding="utf-8") as file:
