@@ -6,6 +6,8 @@
 Source: `benchmarks/results/bench_smollm2-135m.json` (what `domino-spec bench` writes as `bench_results.json`).
 Targets, each a region between `<!-- NAME:start -->` and `<!-- NAME:end -->`:
 - README.md `results-table`: the batch-1 greedy warm rows, one line per eval set;
+- README.md `shipped-training`: the steps, examples and CPU-hours behind the shipped draft, from its
+  `training_summary.json` (every session's totals, which `ship.py --curve` records from the learning curve);
 - BENCHMARKS.md `bench-table`: every batch-1 greedy warm row (the model card's renderer), the settings matrix when the
   bench measured several settings (`bench_report.matrix_table`), the cost model and the task scores;
 - BENCHMARKS.md `bench-goals`: the goals, met or not, with the numbers behind each;
@@ -326,6 +328,18 @@ def replace_card_section(text: str, section: str, path: Path) -> str:
     return head + section + ("\n" if following < 0 else rest[following:])
 
 
+def training_line(summary: dict) -> str:
+    """README's sentence on what trained the shipped draft: its training summary, with the totals of every session
+    that `ship.py --curve` recorded from its learning curve."""
+    data, curve = summary["data"], summary["curve"]
+    return wrap(
+        f"The shipped Domino draft trained {curve['step']:,} steps ({curve['examples']:,} examples seen) on "
+        f"{data['examples']:,} conversations the target regenerated ({data['response_tokens']:,} response tokens): "
+        f"{curve['cpu_hours']:.2f} CPU-hours of training on this machine, every session counted (its learning "
+        f"curve: `{curve['results']}`)."
+    )
+
+
 def shipped_results(report: dict) -> str:
     """The checkpoint's `bench_results.json`: the report without the generated texts (`ship.py`'s trimming)."""
     return json.dumps({k: v for k, v in report.items() if k not in ("texts", "references")}, indent=1)
@@ -336,8 +350,14 @@ def rendered(
 ) -> dict[Path, str]:
     """Every document's text as the results JSON (and the settings matrix's, where given) says it should read."""
     readme, benchmarks = root / "README.md", root / "BENCHMARKS.md"
+    training = json.loads((checkpoint / "training_summary.json").read_text())
     documents = {
-        readme: replace_region(readme.read_text(), "results-table", readme_results(report), readme),
+        readme: replace_region(
+            replace_region(readme.read_text(), "results-table", readme_results(report), readme),
+            "shipped-training",
+            training_line(training),
+            readme,
+        ),
         benchmarks: replace_region(
             replace_region(benchmarks.read_text(), "bench-table", benchmarks_table(report), benchmarks),
             "bench-goals",

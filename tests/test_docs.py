@@ -43,9 +43,21 @@ def copy_documents(folder: Path) -> Path:
     checkpoint.mkdir()
     for name in ("README.md", "BENCHMARKS.md"):
         shutil.copy(ROOT / name, folder / name)
-    for name in ("README.md", "bench_results.json"):
+    for name in ("README.md", "bench_results.json", "training_summary.json"):
         shutil.copy(render_docs.CHECKPOINT / name, checkpoint / name)
     return checkpoint
+
+
+def test_readme_states_the_training_behind_the_shipped_draft(tmp_path):
+    checkpoint = copy_documents(tmp_path)
+    report = json.loads(render_docs.RESULTS.read_text())
+    summary = json.loads((checkpoint / "training_summary.json").read_text())
+    summary["curve"] |= {"step": 7500, "cpu_hours": 1.4321}
+    (checkpoint / "training_summary.json").write_text(json.dumps(summary))
+    documents = render_docs.rendered(report, tmp_path, checkpoint)
+    assert render_docs.stale(documents) == [tmp_path / "README.md"]
+    assert "trained 7,500 steps" in documents[tmp_path / "README.md"]
+    assert "1.43 CPU-hours of training" in documents[tmp_path / "README.md"]
 
 
 def test_check_finds_a_changed_number_and_rendering_fixes_it(tmp_path):
