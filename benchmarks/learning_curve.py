@@ -19,7 +19,8 @@ a Markdown table and a figure beside `--output`.
 
 A curve goes on across sessions: with `--continues` the results of the session whose drafts a variant starts from
 (`--init_from` in its flags), that variant's steps, examples and CPU-hours count on from the last point of its
-curve there, which its figure and table start from; a variant trained from scratch counts from zero.
+curve there, and its figure and table show every earlier session's points first; a variant trained from scratch
+counts from zero.
 
     python benchmarks/learning_curve.py --config recipes/smollm2-135m/train.yaml --data runs/smollm2/data.jsonl \\
         --features runs/smollm2/features --eval-data runs/smollm2/held_out.jsonl --steps 3000 --eval-every 500 \\
@@ -241,9 +242,16 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
 
 
 def curve(results: dict, name: str) -> list[dict]:
-    """The points of variant `name` by step, from the point it went on from, if any."""
+    """The points of variant `name` by step, after every earlier session's it went on from (`--continues`, followed
+    back through each session's own) where those results are at hand, else after the point it went on from."""
+    points = sorted(results["curves"][name].values(), key=lambda point: point["step"])
     start = results.get("starts", {}).get(name)
-    return ([start] if start else []) + sorted(results["curves"][name].values(), key=lambda point: point["step"])
+    if start is None:
+        return points
+    previous = Path(results.get("recipe", {}).get("continues", ""))
+    if previous.is_file() and name in (earlier := json.loads(previous.read_text())).get("curves", {}):
+        return curve(earlier, name) + points
+    return [start] + points
 
 
 def markdown(results: dict) -> str:

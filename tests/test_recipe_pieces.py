@@ -154,3 +154,22 @@ def test_shipping_records_the_totals_of_every_session_from_the_drafts_curve(tmp_
     }
     with pytest.raises(SystemExit, match="has no curve 'dflash'"):
         ship.record_curve(str(tmp_path), str(curve), "dflash")
+
+
+def test_a_curve_shows_every_earlier_sessions_points(tmp_path):
+    learning_curve = load_benchmark("learning_curve")
+
+    def session(name: str, steps: tuple[int, ...], continues: Path | None) -> Path:
+        points = {f"checkpoint-{step}": {"step": step, "tau": step / 1000} for step in steps}
+        results = {"curves": {"domino": points}, "recipe": {"continues": str(continues)} if continues else {}}
+        if continues:
+            results["starts"] = {"domino": {"step": steps[0] - 1}}
+        (tmp_path / name).write_text(json.dumps(results))
+        return tmp_path / name
+
+    first = session("first.json", (500, 1000), None)
+    second = session("second.json", (1500, 2000), first)
+    third = json.loads(session("third.json", (2500,), second).read_text())
+    assert [point["step"] for point in learning_curve.curve(third, "domino")] == [500, 1000, 1500, 2000, 2500]
+    first.unlink()  # results not at hand: that session's curve starts at the point it went on from
+    assert [point["step"] for point in learning_curve.curve(third, "domino")] == [1499, 1500, 2000, 2500]
