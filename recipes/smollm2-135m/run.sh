@@ -35,7 +35,8 @@ domino-spec cache-features --config $RECIPE/train.yaml --data $DATA --output $FE
 # them (one prefill per conversation, no decoding): prepare_prompts.py --kept-output $RUN/kept_conversations.jsonl,
 # then `domino-spec generate-data --keep-responses --prompts $RUN/kept_conversations.jsonl --output $RUN/kept.jsonl
 # --max-new-tokens 256`, `cache-features --data $RUN/kept.jsonl --soft_targets 16` and a variant with --data, --features
-# and --soft_targets 16 of its own, compared at equal CPU-hours on the same held-out proxy.
+# and --soft_targets 16 of its own, compared at equal CPU-hours on the same held-out proxy (learning_curve.py
+# --label-cpu-hours NAME=HOURS counts what labelling each variant's data cost: the pieces' manifests for regenerated data).
 WARM="--warmup_steps 100"
 PREVIOUS=$(cat $RECIPE/shipped_curve.txt)
 DFLASH=$RECIPE/dflash-bf16
