@@ -361,7 +361,9 @@ class CostAwareDrafting:
             batch_size = len(num_accepted)
             cost_model = self.cost_models(batch_size)
             cost_model.observe_verify(num_verified, seconds)
-            if self.draft_seconds is not None and cost_model.knows_plain_step:
+            # Only rounds that verified drafts say whether drafts deliver what they promised: a round whose own
+            # length chose none (a look while drafting does not pay) would only confirm that it does not.
+            if self.draft_seconds is not None and cost_model.knows_plain_step and num_verified > 0:
                 plain_rate = batch_size / cost_model.costs().verify_seconds[0]
                 gain = (batch_size + sum(num_accepted)) / (self.draft_seconds + seconds) / plain_rate
                 self.realized_gain[batch_size] = _average(self.realized_gain.get(batch_size), gain)
@@ -413,18 +415,24 @@ class CostAwareDrafting:
 
 class _Learned:
     """What the runs of one target and draft under one set of round options learned in this process: the cost
-    models per batch size, and the cost-aware draft lengths per prompt-lookup size and sampling (their recent
-    acceptance, calibration and skipping), so each call goes on from the last instead of learning again."""
+    models per sampling and batch size, and the cost-aware draft lengths per prompt-lookup size and sampling (their
+    recent acceptance, calibration and skipping), so each call goes on from the last instead of learning again."""
 
     def __init__(self, num_drafts: int):
         self.num_drafts = num_drafts
-        self.cost_models: dict[int, CostModel] = {}
+        self.cost_models: dict[tuple[bool, int], CostModel] = {}
         self.drafting: dict[tuple[int, bool], CostAwareDrafting] = {}
 
-    def cost_model(self, batch_size: int) -> CostModel:
-        if batch_size not in self.cost_models:
-            self.cost_models[batch_size] = CostModel(self.num_drafts)
-        return self.cost_models[batch_size]
+    def cost_models_of(self, do_sample: bool) -> Callable[[int], CostModel]:
+        """The cost models per batch size of greedy or of sampled rounds, which differ: a sampled verify pass also
+        warps and samples from every row's logits over the whole vocabulary, once per verified token."""
+
+        def cost_model(batch_size: int) -> CostModel:
+            if (do_sample, batch_size) not in self.cost_models:
+                self.cost_models[do_sample, batch_size] = CostModel(self.num_drafts)
+            return self.cost_models[do_sample, batch_size]
+
+        return cost_model
 
 
 _learned: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
@@ -439,11 +447,13 @@ def _learned_with(target, draft, options: DraftingOptions) -> _Learned:
     return per_draft[key]
 
 
-def learned_costs(target, draft, options: DraftingOptions | None = None) -> Callable[[int], CostModel]:
-    """The cost models of rounds with `target` and `draft` under `options`, per batch size, learned by every run in
-    this process: a later call starts from what earlier ones timed. Options that only choose what to verify (the
-    draft length, its costs, prompt lookup) share them."""
-    return _learned_with(target, draft, options or draft.drafting_options).cost_model
+def learned_costs(
+    target, draft, options: DraftingOptions | None = None, do_sample: bool = False
+) -> Callable[[int], CostModel]:
+    """The cost models of greedy (or sampled) rounds with `target` and `draft` under `options`, per batch size,
+    learned by every run in this process: a later call starts from what earlier ones timed. Options that only choose
+    what to verify (the draft length, its costs, prompt lookup) share them."""
+    return _learned_with(target, draft, options or draft.drafting_options).cost_models_of(do_sample)
 
 
 def forget_draft_costs(model: torch.nn.Module) -> None:
@@ -465,7 +475,7 @@ def cost_aware_drafting(target, draft, options: DraftingOptions, do_sample: bool
     learned = _learned_with(target, draft, options)
     key = (options.prompt_lookup, do_sample)
     if key not in learned.drafting:
-        learned.drafting[key] = CostAwareDrafting(learned.cost_model, options.prompt_lookup, do_sample)
+        learned.drafting[key] = CostAwareDrafting(learned.cost_models_of(do_sample), options.prompt_lookup, do_sample)
     drafting = learned.drafting[key]
     drafting.forget_round()
     return drafting

@@ -517,8 +517,8 @@ def setting_results(
 
 
 def cost_model(target, draft) -> dict:
-    """The terms of a batch-1 round's cost, in milliseconds, as the cost-aware draft length learned and weighed them
-    by the end of this run: the decode step (a pass over one token), a verify pass over the anchor and k drafts
+    """The terms of a batch-1 greedy round's cost, in milliseconds, as the cost-aware draft length learned and weighed
+    them by the end of this run: the decode step (a pass over one token), a verify pass over the anchor and k drafts
     (k = 0..S; counts never verified are the prior's guess), a drafting round."""
     costs = learned_costs(target, draft)(1).costs()
     return {

@@ -183,7 +183,11 @@ def write_results(report: dict, output_dir: str) -> dict[str, str]:
             )
         file.write(markdown_table(report["results"]) + "\n")
         if report.get("cost_model"):
-            file.write("\nCost model, measured in the same run:\n\n" + cost_model_table(report["cost_model"]) + "\n")
+            file.write(
+                "\nCost model of batch-1 greedy rounds, measured in the same run:\n\n"
+                + cost_model_table(report["cost_model"])
+                + "\n"
+            )
         if report.get("quality"):  # `bench --quality`
             file.write("\nQuality of the decoded outputs:\n\n" + quality_table(report["quality"]) + "\n")
     plot_acceptance(report["results"], paths["acceptance.png"])

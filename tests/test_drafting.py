@@ -131,6 +131,9 @@ def test_a_call_goes_on_from_the_acceptance_the_calls_before_it_learned():
     assert cost_aware_drafting(target, draft, options, do_sample=True) is not greedy  # sampling accepts otherwise
     assert cost_aware_drafting(target, draft, DraftingOptions(draft_length="cost", prompt_lookup=0)) is not greedy
     assert greedy.cost_models(1) is learned_costs(target, draft, options)(1)
+    sampled = cost_aware_drafting(target, draft, options, do_sample=True)
+    assert sampled.cost_models(1) is learned_costs(target, draft, options, do_sample=True)(1)
+    assert sampled.cost_models(1) is not greedy.cost_models(1)  # a sampled pass also warps every row's logits
     fixed = DraftingOptions(draft_length="cost", draft_costs=STEEP)
     assert cost_aware_drafting(target, draft, fixed) is not cost_aware_drafting(target, draft, fixed)
     # a batch size whose costs make the recent rounds' drafting too dear skips it from its first drafted round on
@@ -286,6 +289,9 @@ def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_
     drafting.realized_gain[1] = 1.5  # where drafted rounds did pay, drafting goes on
     drafting.skipped = 0
     assert drafting.plan(committed[:1], limit=6) is None
+    drafting.drafted(0.2, batch_size=1)
+    drafting.accepted(0, [0], seconds=STEEP.verify_seconds[0])  # a look that verified no draft measures no gain
+    assert drafting.realized_gain[1] == 1.5
 
 
 def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
