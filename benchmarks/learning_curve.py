@@ -11,11 +11,10 @@ steps; every checkpoint is then scored twice:
 The x axes are the training examples seen and the CPU-hours the training process spent to reach the checkpoint (its
 wall time, read from the checkpoint's files, times its torch threads), plus, with `--label-cpu-hours`, what labelling
 the variant's data cost (regenerated responses against cheaper labels, at equal cost). Every variant reads the same
-data in the same order
-with the same seed (a variant's own `--data` flag replaces it). `--parallel` trains the variants at once, the cores
-split between them: on a small CPU a step's small matrices gain little from a second thread, so this draws more
-curves per hour. Rerunning skips the training and scoring already done. Prints a table and writes the results (JSON),
-a Markdown table and a figure beside `--output`.
+data in the same order with the same seed (a variant's own `--data` flag replaces it). `--parallel` trains the
+variants at once, the cores split between them: on a small CPU a step's small matrices gain little from a second
+thread, so this draws more curves per hour. Rerunning skips the training and scoring already done. Prints a table
+and writes the results (JSON), a Markdown table and a figure beside `--output`.
 
 A curve goes on across sessions: with `--continues` the results of the session whose drafts a variant starts from
 (`--init_from` in its flags), that variant's steps, examples and CPU-hours count on from the last point of its
