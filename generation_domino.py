@@ -124,6 +124,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.clock = DeviceClock(draft.device)
         self.verify_start: float | None = None  # when the last candidates went to the target
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a round proposes: a block's drafts. (transformers asks it to size what a cache with
+        recurrent layers records for rolling back rejected tokens.)"""
+        return self.draft.config.num_draft_tokens
+
     def get_candidates(
         self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0, **kwargs
     ):
