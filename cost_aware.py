@@ -9,8 +9,9 @@ rate instead: whether draft i is verified then depends on the confidences of dra
 distributions the draft samples from (which depend on the drafts before i, never on draft i itself), a stopping rule
 under which exact speculative sampling stays exact. A round drafts at all only when rounds like the recent ones beat
 a plain decode step (`CostAwareDrafting`): it would pay for the drafting round even if it then verified no draft.
-The costs are learned from the process's own rounds as it decodes (`CostModel`), starting from a prior: no call
-measures anything up front.
+The costs are learned from the process's own rounds as it decodes (`CostModel`), starting from what earlier
+processes on this machine learned with the same models (`draft_costs_path`), else from a prior: no call measures
+anything up front.
 Where the context's last tokens occurred before, the tokens that followed them there cost no drafting at all
 (`prompt_lookup`); a round verifies them instead of drafts where the run's earlier such rounds say that pays more.
 
@@ -18,6 +19,7 @@ Part of the package, not of a checkpoint: a checkpoint's `generate(assistant_mod
 is installed (`generation_domino.py`), and verifies whole blocks without it.
 """
 
+import atexit
 import math
 import weakref
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from dataclasses import replace
 import torch
 
 from .drafting import DraftCosts, DraftingOptions
+from .machine import cache_path, machine_key, read_cache, write_cache
 
 
 def expected_rates(reach: torch.Tensor, costs: DraftCosts) -> list[float]:
@@ -138,9 +141,21 @@ class CostModel:
         return self.verify_seconds[0] is not None
 
     @property
-    def knows_draft_cost(self) -> bool:
-        """Whether a drafting round was timed (past the first, which builds kernels)."""
-        return self.draft_seconds is not None
+    def drafting_timed(self) -> bool:
+        """Whether this process timed a drafting round past its first, which builds the draft's kernels."""
+        return self.draft_rounds > 1
+
+    def state(self) -> dict:
+        """What was timed, as JSON values (`restore`)."""
+        return {"verify_seconds": self.verify_seconds, "verify_counts": self.verify_counts, "draft": self.draft_seconds}
+
+    def restore(self, state: dict) -> None:
+        """Go on from what another process timed (`state`); its first drafting round is still left out, since this
+        process builds the draft's kernels again."""
+        num_counts = len(self.verify_seconds)
+        if len(state["verify_seconds"]) == num_counts == len(state["verify_counts"]):
+            self.verify_seconds, self.verify_counts = list(state["verify_seconds"]), list(state["verify_counts"])
+            self.draft_seconds = state["draft"]
 
     def costs(self) -> DraftCosts:
         timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
@@ -194,7 +209,7 @@ class FixedCosts(CostModel):
     def observe_draft(self, seconds: float) -> None:
         pass
 
-    knows_plain_step = knows_draft_cost = True
+    knows_plain_step = drafting_timed = True
 
     def costs(self) -> DraftCosts:
         return self._costs
@@ -306,7 +321,7 @@ class CostAwareDrafting:
         """A drafting round of `batch_size` rows took `seconds`."""
         cost_model = self.cost_models(batch_size)
         cost_model.observe_draft(seconds)
-        self.draft_seconds = seconds if cost_model.knows_draft_cost else None  # not while its kernels are built
+        self.draft_seconds = seconds if cost_model.drafting_timed else None  # not while its kernels are built
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:
         """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
@@ -416,10 +431,15 @@ class CostAwareDrafting:
 class _Learned:
     """What the runs of one target and draft under one set of round options learned in this process: the cost
     models per sampling and batch size, and the cost-aware draft lengths per prompt-lookup size and sampling (their
-    recent acceptance, calibration and skipping), so each call goes on from the last instead of learning again."""
+    recent acceptance, calibration and skipping), so each call goes on from the last instead of learning again.
+    The cost models start from those stored under `disk_key` (`draft_costs_path`) and are stored there again
+    (`save`): the machine's costs carry over to its next process. How often drafts are accepted depends on the
+    prompts, so each process learns that anew."""
 
-    def __init__(self, num_drafts: int):
+    def __init__(self, num_drafts: int, disk_key: str):
         self.num_drafts = num_drafts
+        self.disk_key, self.path = disk_key, draft_costs_path()
+        self.stored = read_cache(self.path).get(disk_key, {})  # "greedy 1", "sampled 4", ...: a state
         self.cost_models: dict[tuple[bool, int], CostModel] = {}
         self.drafting: dict[tuple[int, bool], CostAwareDrafting] = {}
 
@@ -429,13 +449,62 @@ class _Learned:
 
         def cost_model(batch_size: int) -> CostModel:
             if (do_sample, batch_size) not in self.cost_models:
-                self.cost_models[do_sample, batch_size] = CostModel(self.num_drafts)
+                model = CostModel(self.num_drafts)
+                if _stored_name(do_sample, batch_size) in self.stored:
+                    model.restore(self.stored[_stored_name(do_sample, batch_size)])
+                self.cost_models[do_sample, batch_size] = model
             return self.cost_models[do_sample, batch_size]
 
         return cost_model
 
+    def save(self) -> None:
+        """Store the timed cost models under `disk_key` in the file they came from, beside what other processes
+        stored."""
+        timed = {
+            _stored_name(do_sample, batch_size): model.state()
+            for (do_sample, batch_size), model in self.cost_models.items()
+            if model.knows_plain_step
+        }
+        if timed:
+            self.stored |= timed
+            write_cache(self.path, read_cache(self.path) | {self.disk_key: self.stored})
+
+
+def _stored_name(do_sample: bool, batch_size: int) -> str:
+    return f"{'sampled' if do_sample else 'greedy'} {batch_size}"
+
+
+def draft_costs_path() -> str:
+    """Where processes keep the round costs they learned, for the next process on this machine with the same models
+    and round options: `$DOMINO_DRAFT_COSTS`, else `$XDG_CACHE_HOME/domino_spec/draft_costs.json` (`~/.cache` by
+    default). Delete it to learn from the prior again."""
+    return cache_path("DOMINO_DRAFT_COSTS", "draft_costs.json")
+
+
+def _disk_key(target, draft, round_options: DraftingOptions) -> str:
+    """What a round's costs depend on besides the machine: the models' shapes, dtype and device, whether
+    `optimize_for_cpu` prepared them (their multi-token passes cost otherwise), and the round options."""
+
+    def described(model) -> str:
+        config = model.config.get_text_config()
+        layers = getattr(config, "num_hidden_layers", None)
+        prepared = any("forward" in module.__dict__ for module in model.modules() if type(module) is torch.nn.Linear)
+        return (
+            f"{type(model).__name__} {config.hidden_size}x{layers} vocab {config.vocab_size} "
+            f"{str(model.dtype).removeprefix('torch.')} {model.device.type}{' cpu-optimized' if prepared else ''}"
+        )
+
+    return f"{machine_key()} | {described(target)} | {described(draft)} | {round_options}"
+
 
 _learned: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+_all_learned: "weakref.WeakSet[_Learned]" = weakref.WeakSet()  # what to store when the process ends
+
+
+@atexit.register
+def _save_all() -> None:
+    for learned in list(_all_learned):
+        learned.save()
 
 
 def _learned_with(target, draft, options: DraftingOptions) -> _Learned:
@@ -443,7 +512,10 @@ def _learned_with(target, draft, options: DraftingOptions) -> _Learned:
     per_draft = _learned.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
     key = (round_options, str(target.device), target.dtype)
     if key not in per_draft:
-        per_draft[key] = _Learned(max(draft.config.num_draft_tokens, options.tree_nodes))
+        per_draft[key] = _Learned(
+            max(draft.config.num_draft_tokens, options.tree_nodes), _disk_key(target, draft, round_options)
+        )
+        _all_learned.add(per_draft[key])
     return per_draft[key]
 
 
@@ -473,6 +545,7 @@ def cost_aware_drafting(target, draft, options: DraftingOptions, do_sample: bool
     if options.draft_costs is not None:
         return CostAwareDrafting(options.draft_costs, options.prompt_lookup, do_sample)
     learned = _learned_with(target, draft, options)
+    learned.save()  # what the calls before this one timed, for the next process
     key = (options.prompt_lookup, do_sample)
     if key not in learned.drafting:
         learned.drafting[key] = CostAwareDrafting(learned.cost_models_of(do_sample), options.prompt_lookup, do_sample)

@@ -5,8 +5,9 @@ cost-aware draft length learning this machine. So each method in each setting de
 evaluation set in a fresh Python process (`python -m domino_spec.generation.cold_start SPEC RESULT`): loading the
 models is not timed, everything after is (preparing the target and the method's draft with `optimize_for_cpu`
 where the bench does, the first call). Speedups compare first calls in the same engine and setting. The kernel plans
-`optimize_for_cpu` reads come from this machine's plan cache, which the bench's warm run filled, as a user's earlier
-processes fill it; only a machine's very first process times them.
+`optimize_for_cpu` reads and the round costs the cost-aware draft length starts from come from this machine's files
+(`plan_cache_path`, `draft_costs_path`), which the bench's warm run filled, as a user's earlier processes fill them;
+only a machine's very first process times them.
 """
 
 import dataclasses

@@ -17,10 +17,7 @@ shape: a process's first call pays the timing only where no earlier process on t
 """
 
 import contextlib
-import json
 import os
-import platform
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cost_aware import forget_draft_costs
+from ..machine import cache_path, machine_key, read_cache, write_cache
 
 # Row counts timed per weight shape; a count between two uses the plan of the next one up, and a count above the
 # last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows.
@@ -175,16 +173,7 @@ def plan_shape(modules: list[nn.Linear]) -> dict[int, str]:
 def plan_cache_path() -> str:
     """Where `optimize_for_cpu` keeps the plans it timed: `$DOMINO_CPU_PLANS`, else
     `$XDG_CACHE_HOME/domino_spec/cpu_plans.json` (`~/.cache` by default)."""
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("DOMINO_CPU_PLANS") or os.path.join(cache_home, "domino_spec", "cpu_plans.json")
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as file:
-        for line in file:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return cache_path("DOMINO_CPU_PLANS", "cpu_plans.json")
 
 
 def _plan_key(machine: str, shape: tuple) -> str:
@@ -193,22 +182,11 @@ def _plan_key(machine: str, shape: tuple) -> str:
     return f"{machine} | {out_features}x{in_features} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}"
 
 
-def _read_plans(path: str | None) -> dict[str, dict[int, str]]:
+def _read_plans(path: str) -> dict[str, dict[int, str]]:
     try:
-        with open(path, encoding="utf-8") as file:
-            stored = json.load(file)
-        return {key: {int(rows): kernel for rows, kernel in plan.items()} for key, plan in stored.items()}
-    except (OSError, TypeError, ValueError, AttributeError):  # none yet, or unreadable: time again
+        return {key: {int(rows): kernel for rows, kernel in plan.items()} for key, plan in read_cache(path).items()}
+    except (TypeError, ValueError, AttributeError):  # unreadable: time again
         return {}
-
-
-def _write_plans(path: str, plans: dict[str, dict[int, str]]) -> None:
-    """Write atomically, so a process reading at the same time sees the old file or the new one."""
-    with contextlib.suppress(OSError):  # a read-only home only costs the next process the timing
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as file:
-            json.dump(plans, file, indent=1, sort_keys=True)
-        os.replace(file.name, path)
 
 
 def optimize_for_cpu(
@@ -241,7 +219,7 @@ def optimize_for_cpu(
     path = plan_cache_path() if plan_cache == "default" else plan_cache
     stored = _read_plans(path) if path else {}
     plans, planned, timed = {}, {}, False
-    machine = f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    machine = machine_key()
     for shape, modules in by_shape.items():
         key = _plan_key(machine, shape)
         if set(stored.get(key, {})) != set(TUNED_ROW_COUNTS) or not set(stored[key].values()) <= set(KERNELS):
@@ -252,7 +230,7 @@ def optimize_for_cpu(
         if verbose:
             print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
     if path and timed:
-        _write_plans(path, stored)
+        write_cache(path, stored)
     return CPUOptimization(models, planned, plans)
 
 

@@ -18,6 +18,12 @@ def _kernel_plans_in_a_temporary_file(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _draft_costs_in_a_temporary_file(tmp_path, monkeypatch):
+    """Each test learns its round costs from the prior, whatever an earlier test or process stored."""
+    monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "draft_costs.json"))
+
+
+@pytest.fixture(autouse=True)
 def _torch_threads_kept(monkeypatch):
     """Outputs compared across calls come from one thread count, whatever else runs on the machine
     (`threads_fitted_to_load`'s own tests turn it back on)."""

@@ -1,5 +1,7 @@
 """The cost-aware draft length (`cost_aware.choose_draft_length`) and the drafting options."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,12 +12,13 @@ from domino_spec.cost_aware import (
     CostModel,
     choose_draft_length,
     cost_aware_drafting,
+    forget_draft_costs,
     learned_costs,
     nondecreasing_fit,
     prompt_lookup,
 )
 from domino_spec.drafting import DraftSampling
-from domino_spec.generation import left_pad, speculative_generate
+from domino_spec.generation import left_pad, optimize_for_cpu, speculative_generate
 
 from conftest import tiny_draft, tiny_target
 from speculative_helpers import draft_from_scratch
@@ -192,6 +195,46 @@ def test_a_first_call_measures_nothing_up_front_and_a_later_one_starts_from_what
     assert torch.equal(again.sequences, expected) and torch.equal(output.sequences, expected)
     assert again.acceptance_lengths[0][0] >= 1 and learned_costs(target, draft)(1) is cost_model  # one per process
     assert learned_costs(target, draft)(2) is not cost_model  # each batch size learns its own
+
+
+def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_models(tmp_path, monkeypatch):
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    draft.drafting_options = DraftingOptions(draft_length="cost")
+    input_ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # each call stores what the calls before it timed
+        speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    timed = learned_costs(target, draft)(1)
+    stored = json.loads((tmp_path / "draft_costs.json").read_text())
+    assert len(stored) == 1 and list(next(iter(stored.values()))) == ["greedy 1"]
+
+    forget_draft_costs(target)  # what a new process knows: the file
+    restored = learned_costs(target, draft)(1)
+    assert restored is not timed and restored.knows_plain_step and restored.draft_rounds == 0
+    assert restored.verify_seconds[0] == pytest.approx(stored[next(iter(stored))]["greedy 1"]["verify_seconds"][0])
+    assert not learned_costs(target, draft, do_sample=True)(1).knows_plain_step  # sampled rounds cost otherwise
+    assert not learned_costs(target, draft)(2).knows_plain_step  # and so do other batch sizes
+    target_passes, drafted_after = [], []
+    hook = target.register_forward_pre_hook(lambda *args: target_passes.append(1))
+    draft_block = draft.draft_block
+
+    def spied_draft_block(*args, **kwargs):
+        drafted_after.append(len(target_passes))
+        return draft_block(*args, **kwargs)
+
+    draft.draft_block = spied_draft_block
+    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    hook.remove()
+    del draft.draft_block
+    assert drafted_after[0] == 1  # the first round, after the prefill, drafts: no plain step to time first
+
+    monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
+    forget_draft_costs(draft)
+    assert not learned_costs(target, draft)(1).knows_plain_step  # another file: the prior again
+    monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "draft_costs.json"))
+    forget_draft_costs(draft)
+    with optimize_for_cpu(target, draft):  # other kernels: other costs
+        assert not learned_costs(target, draft)(1).knows_plain_step
 
 
 def test_calibration_scales_confidences_by_how_often_drafts_were_accepted():
