@@ -152,10 +152,14 @@ class CostModel:
     def restore(self, state: dict) -> None:
         """Go on from what another process timed (`state`); its first drafting round is still left out, since this
         process builds the draft's kernels again."""
-        num_counts = len(self.verify_seconds)
-        if len(state["verify_seconds"]) == num_counts == len(state["verify_counts"]):
-            self.verify_seconds, self.verify_counts = list(state["verify_seconds"]), list(state["verify_counts"])
-            self.draft_seconds = state["draft"]
+        seconds, counts = state.get("verify_seconds"), state.get("verify_counts")  # a file edited by hand: ignored
+        if (
+            isinstance(seconds, list)
+            and isinstance(counts, list)
+            and len(seconds) == len(counts) == len(self.verify_seconds)
+        ):
+            self.verify_seconds, self.verify_counts = list(seconds), list(counts)
+            self.draft_seconds = state.get("draft")
 
     def costs(self) -> DraftCosts:
         timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
