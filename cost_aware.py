@@ -434,8 +434,8 @@ class CostAwareDrafting:
 
 class _Learned:
     """What the runs of one target and draft under one set of round options learned in this process: the cost
-    models per sampling and batch size, and the cost-aware draft lengths per prompt-lookup size and sampling (their
-    recent acceptance, calibration and skipping), so each call goes on from the last instead of learning again.
+    models per sampling and batch size, and the cost-aware draft lengths per prompt-lookup size, sampling and tree
+    (their recent acceptance, calibration and skipping), so each call goes on from the last instead of learning again.
     The cost models start from those stored under `disk_key` (`draft_costs_path`) and are stored there again
     (`save`): the machine's costs carry over to its next process. How often drafts are accepted depends on the
     prompts, so each process learns that anew."""
@@ -445,7 +445,7 @@ class _Learned:
         self.disk_key, self.path = disk_key, draft_costs_path()
         self.stored = read_cache(self.path).get(disk_key, {})  # "greedy 1", "sampled 4", ...: a state
         self.cost_models: dict[tuple[bool, int], CostModel] = {}
-        self.drafting: dict[tuple[int, bool], CostAwareDrafting] = {}
+        self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
 
     def cost_models_of(self, do_sample: bool) -> Callable[[int], CostModel]:
         """The cost models per batch size of greedy or of sampled rounds, which differ: a sampled verify pass also
@@ -517,7 +517,8 @@ def _learned_with(target, draft, options: DraftingOptions) -> _Learned:
     key = (round_options, str(target.device), target.dtype)
     if key not in per_draft:
         per_draft[key] = _Learned(
-            max(draft.config.num_draft_tokens, options.tree_nodes), _disk_key(target, draft, round_options)
+            max(draft.config.num_draft_tokens, options.tree_budget(target.device)),
+            _disk_key(target, draft, round_options),
         )
         _all_learned.add(per_draft[key])
     return per_draft[key]
@@ -540,17 +541,19 @@ def forget_draft_costs(model: torch.nn.Module) -> None:
         drafts.pop(model, None)
 
 
-def cost_aware_drafting(target, draft, options: DraftingOptions, do_sample: bool = False) -> CostAwareDrafting | None:
-    """The cost-aware draft length of a run (sampling or not): with the given costs a new one, else the one this
-    process's earlier runs with `target` and `draft` left (`learned_costs`); None where `options` verify every
-    draft."""
+def cost_aware_drafting(
+    target, draft, options: DraftingOptions, do_sample: bool = False, tree: bool = False
+) -> CostAwareDrafting | None:
+    """The cost-aware draft length of a run (sampling or not, verifying chains or `tree`s): with the given costs a
+    new one, else the one this process's earlier runs of the same kind with `target` and `draft` left (their cost
+    models are shared: `learned_costs`); None where `options` verify every draft."""
     if not options.cost_aware(target.device):
         return None
     if options.draft_costs is not None:
         return CostAwareDrafting(options.draft_costs, options.prompt_lookup, do_sample)
     learned = _learned_with(target, draft, options)
     learned.save()  # what the calls before this one timed, for the next process
-    key = (options.prompt_lookup, do_sample)
+    key = (options.prompt_lookup, do_sample, tree)
     if key not in learned.drafting:
         learned.drafting[key] = CostAwareDrafting(learned.cost_models_of(do_sample), options.prompt_lookup, do_sample)
     drafting = learned.drafting[key]

@@ -18,6 +18,7 @@ import torch
 from .cache_domino import DominoContextCache
 
 DRAFT_LENGTHS = ("auto", "cost", "full")  # auto: cost-aware on CPU, the whole block elsewhere
+AUTO_TREE_NODES = 16  # `tree_nodes=None`'s budget with a cost-aware length: beats chains on CPU (BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ class DraftingOptions:
     )
     prompt_lookup: int = 3  # with a cost-aware length: rounds whose last tokens (up to this many) occurred before
     # verify what followed them there instead of drafting, where that pays (`cost_aware.prompt_lookup`); 0: off
-    tree_nodes: int = 0  # > 0: the native engine's greedy rounds verify a tree of up to this many drafted tokens
-    # (`generation.trees`; with a cost-aware length, as many as pay); 0: a chain. `generate` always verifies a chain
+    tree_nodes: int | None = None  # > 0: the native engine's greedy rounds verify a tree of up to this many drafted
+    # tokens (`generation.trees`; with a cost-aware length, as many as pay); 0: a chain; None: `AUTO_TREE_NODES` with
+    # a cost-aware length where the run can verify trees, else chains (`tree_budget`). `generate` verifies chains
 
     def __post_init__(self):
         pool = self.candidate_pool
@@ -69,11 +71,18 @@ class DraftingOptions:
         if not (isinstance(lookup, int) and not isinstance(lookup, bool) and lookup >= 0):
             raise ValueError(f"prompt_lookup={lookup!r} is invalid: expected 0 (off) or the longest n-gram to match.")
         nodes = self.tree_nodes
-        if not (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0):
-            raise ValueError(f"tree_nodes={nodes!r} is invalid: expected 0 (chains) or the most tree nodes, >= 1.")
+        if not (nodes is None or (isinstance(nodes, int) and not isinstance(nodes, bool) and nodes >= 0)):
+            raise ValueError(f"tree_nodes={nodes!r} is invalid: expected None (automatic), 0 (chains) or a count >= 1.")
 
     def cost_aware(self, device: torch.device) -> bool:
         return self.draft_length == "cost" or (self.draft_length == "auto" and device.type == "cpu")
+
+    def tree_budget(self, device: torch.device) -> int:
+        """The most nodes a greedy round's tree may have on `device` (0: chains): `tree_nodes`, or where it is None
+        `AUTO_TREE_NODES` with a cost-aware length (which keeps only the nodes that pay) and chains without one."""
+        if self.tree_nodes is not None:
+            return self.tree_nodes
+        return AUTO_TREE_NODES if self.cost_aware(device) else 0
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,7 @@ def draft_round(
 
 
 __all__ = [
+    "AUTO_TREE_NODES",
     "DRAFT_LENGTHS",
     "DeviceClock",
     "DraftCosts",

@@ -9,7 +9,9 @@ Methods:
   prompt-lookup  transformers' prompt-lookup decoding (no draft model)
   dflash         the DFlash-only draft (head off) in the native engine
   domino-hf      Domino through target.generate(assistant_model=draft)
-  domino         Domino in the native engine
+  domino         Domino in the native engine, its defaults (on CPU, greedy rounds verify trees)
+  domino-chain   Domino in the native engine, chains only
+  domino-tree    Domino in the native engine, trees of up to 16 nodes on any device
 
 On CPU the target and the drafts are prepared with `optimize_for_cpu` first (every method but plain-eager runs on
 them), so each speedup is reported twice: over plain decoding in the same engine and preparation (`speedup`), and
@@ -37,6 +39,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from ..cost_aware import learned_costs
+from ..drafting import AUTO_TREE_NODES
 from ..targets import eos_token_ids, left_pad, prompt_token_ids
 from .cpu import CPUOptimization
 from .engine import DeviceClock, pooled_position_rates, speculative_generate
@@ -49,22 +52,24 @@ METHODS = {
     "prompt-lookup": "transformers' prompt lookup decoding",
     "dflash": "a backbone-only (DFlash) draft",
     "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
-    "domino": "the Domino draft in the native engine",
+    "domino": "the Domino draft in the native engine, its defaults (on CPU, greedy rounds verify trees)",
+    "domino-chain": "the Domino draft in the native engine, every round verifying a chain (`DraftingOptions("
+    "tree_nodes=0)`)",
     "domino-alone": "the Domino draft in the native engine with prompt lookup off: every round drafted",
     "domino-tree": "the Domino draft in the native engine, each greedy round verifying a tree of drafts with the "
-    "looked-up tokens as one more branch (`DraftingOptions(tree_nodes=16)`)",
+    "looked-up tokens as one more branch (`DraftingOptions(tree_nodes=16)`, on any device)",
 }
 # speculative_generate, against plain-native
-NATIVE_METHODS = ("plain-native", "dflash", "domino", "domino-alone", "domino-tree")
+NATIVE_METHODS = ("plain-native", "dflash", "domino", "domino-chain", "domino-alone", "domino-tree")
 # the --dflash / --domino draft each uses
 DRAFT_OF = {
     "dflash": "dflash",
     "domino": "domino",
     "domino-hf": "domino",
+    "domino-chain": "domino",
     "domino-alone": "domino",
     "domino-tree": "domino",
 }
-TREE_NODES = 16  # domino-tree's node budget (on CPU, each round verifies as many as pay)
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 WARMUP_TOKENS = 16  # an untimed decode per method before the timed ones
 
@@ -290,8 +295,10 @@ def _decode_native(
     options = None
     if method == "domino-alone":
         options = replace(draft.drafting_options, prompt_lookup=0)
+    elif method == "domino-chain":
+        options = replace(draft.drafting_options, tree_nodes=0)
     elif method == "domino-tree":
-        options = replace(draft.drafting_options, tree_nodes=TREE_NODES)
+        options = replace(draft.drafting_options, tree_nodes=AUTO_TREE_NODES)
     sampling = (
         {}
         if setting.greedy

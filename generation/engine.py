@@ -313,14 +313,12 @@ def speculative_generate(
         clock = DeviceClock(input_ids.device)
         start = clock()
         record = _Record(input_ids, attention_mask, setup, pad_token_id)
-        num_verified = max(setup.num_drafts, setup.options.tree_nodes if draft is not None else 0)
-        max_slots = input_ids.shape[1] + max_new_tokens * (num_verified + 1)  # every round's rejected drafts kept
-        cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, max_slots)
-        setup.grow_tree = _tree_grower(setup, cache, max_slots)
+        cache = _new_target_cache(target, input_ids.shape[0], setup.num_drafts, _max_slots(setup, input_ids, 0))
+        setup.grow_tree = _tree_grower(setup, cache, input_ids)
         draft_cache = DominoContextCache()
         drafting = None
         if draft is not None:
-            drafting = cost_aware_drafting(target, draft, setup.options, do_sample)
+            drafting = cost_aware_drafting(target, draft, setup.options, do_sample, tree=setup.grow_tree is not None)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         rows = _prefill(setup, input_ids, attention_mask, cache, record, streamer)
@@ -427,12 +425,20 @@ def _new_target_cache(target: PreTrainedModel, batch_size: int, num_drafts: int,
     return cache
 
 
-def _tree_grower(setup: _Setup, cache, max_slots: int) -> Callable[..., DraftTree] | None:
-    """What grows a round's tree under `DraftingOptions.tree_nodes`; None for chains, with a warning where the run
-    asked for trees that this target or decoding cannot verify."""
+def _max_slots(setup: _Setup, input_ids: torch.Tensor, tree_nodes: int) -> int:
+    """The most cache slots a row can take: its prompt, and every round's verified tokens kept (rejected ones as
+    holes), a block's drafts or a tree's `tree_nodes` per committed token at worst."""
+    return input_ids.shape[1] + setup.max_new_tokens * (max(setup.num_drafts, tree_nodes) + 1)
+
+
+def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[..., DraftTree] | None:
+    """What grows a round's tree under `DraftingOptions.tree_budget`; None for chains, with a warning where the run
+    asked for trees (`tree_nodes` > 0) that this target or decoding cannot verify."""
     draft, options = setup.draft, setup.options
-    if draft is None or options.tree_nodes == 0:
+    num_nodes = options.tree_budget(setup.target.device) if draft is not None else 0
+    if num_nodes == 0:
         return None
+    max_slots = _max_slots(setup, input_ids, num_nodes)
     attention = setup.target.config._attn_implementation
     if setup.do_sample:
         problem = "sampling verifies chains (exact rejection sampling over one draft per position)"
@@ -446,11 +452,12 @@ def _tree_grower(setup: _Setup, cache, max_slots: int) -> Callable[..., DraftTre
         embed_tokens = setup.target.get_input_embeddings()
 
         def grow(block, max_depth: int, branches: list[tuple[torch.Tensor, torch.Tensor]]) -> DraftTree:
-            tree = grow_tree(draft, block, embed_tokens, options.tree_nodes, max_depth)
-            return add_branch(tree, branches, options.tree_nodes)
+            tree = grow_tree(draft, block, embed_tokens, num_nodes, max_depth)
+            return add_branch(tree, branches, num_nodes)
 
         return grow
-    warnings.warn(f"tree_nodes={options.tree_nodes}: verifying chains instead, since {problem}.", stacklevel=3)
+    if options.tree_nodes is not None:  # automatic trees fall back to chains silently
+        warnings.warn(f"tree_nodes={num_nodes}: verifying chains instead, since {problem}.", stacklevel=3)
     return None
 
 

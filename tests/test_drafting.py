@@ -216,16 +216,16 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     assert not learned_costs(target, draft)(2).knows_plain_step  # and so do other batch sizes
     target_passes, drafted_after = [], []
     hook = target.register_forward_pre_hook(lambda *args: target_passes.append(1))
-    draft_block = draft.draft_block
+    block_logits = draft.block_logits  # every drafting round's, a chain's or a tree's
 
-    def spied_draft_block(*args, **kwargs):
+    def spied_block_logits(*args, **kwargs):
         drafted_after.append(len(target_passes))
-        return draft_block(*args, **kwargs)
+        return block_logits(*args, **kwargs)
 
-    draft.draft_block = spied_draft_block
+    draft.block_logits = spied_block_logits
     speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
     hook.remove()
-    del draft.draft_block
+    del draft.block_logits
     assert drafted_after[0] == 1  # the first round, after the prefill, drafts: no plain step to time first
 
     monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
@@ -341,8 +341,8 @@ def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
     """After skipped rounds the draft catches up on the context it did not read: its blocks are a fresh draft's."""
     target = tiny_target("qwen3", dtype=torch.float64)
     draft = tiny_draft(target, block_size=6).to(torch.float64)
-    # A random draft: mostly skips (with no looked-up rounds, which would read the context the same way)
-    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=STEEP, prompt_lookup=0)
+    # A random draft verifying chains: mostly skips (no looked-up rounds, which would read the context the same way)
+    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=STEEP, prompt_lookup=0, tree_nodes=0)
     rounds = []
 
     def recording_draft_block(**kwargs):

@@ -4,11 +4,13 @@ The tiny targets here have a 12-token vocabulary, so a random draft's other bran
 rounds accept nodes off the draft's likeliest branch, which a chain would never have verified.
 """
 
+import warnings
+
 import pytest
 import torch
 
 from domino_spec import DraftCosts, DraftingOptions
-from domino_spec.drafting import DraftTree
+from domino_spec.drafting import AUTO_TREE_NODES, DraftTree
 from domino_spec.generation import left_pad, speculative_generate
 from domino_spec.generation.trees import (
     CHILDREN_PER_NODE,
@@ -226,3 +228,32 @@ def test_sampling_verifies_chains_and_says_why():
     assert output.tree_rounds == 0 and output.num_new_tokens == [8]
     with pytest.raises(ValueError, match="tree_nodes=-1 is invalid"):
         DraftingOptions(tree_nodes=-1)
+
+
+def test_by_default_cost_aware_greedy_rounds_verify_trees_and_others_chains_silently():
+    """`tree_nodes=None` (the default): trees of up to `AUTO_TREE_NODES` where the length is cost-aware (on CPU) and
+    the run can verify them; chains, without a warning, where it verifies every draft or samples."""
+    target, draft = small_vocabulary_models("qwen3")
+    flat = DraftCosts(verify_seconds=(1.0,) * (AUTO_TREE_NODES + 1), draft_seconds=0.01)
+    prompt = random_prompts(1, seed=6, vocab_size=VOCAB_SIZE)[0]
+    assert DraftingOptions().tree_nodes is None
+    assert DraftingOptions().tree_budget(torch.device("cpu")) == AUTO_TREE_NODES
+    assert DraftingOptions().tree_budget(torch.device("cuda")) == 0  # "auto" verifies whole blocks there
+    draft.drafting_options = DraftingOptions(draft_costs=flat, prompt_lookup=0)
+    output = speculative_generate(target, draft, prompt, max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(output.sequences, plain_greedy(target, prompt, 16))
+    assert output.tree_rounds > 0 and output.drafts_verified > output.num_rounds * draft.config.num_draft_tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for options, do_sample in ((DraftingOptions(draft_length="full"), False), (draft.drafting_options, True)):
+            draft.drafting_options = options
+            sampled = speculative_generate(
+                target,
+                draft,
+                prompt,
+                max_new_tokens=8,
+                do_sample=do_sample,
+                eos_token_id=[],
+                generator=torch.Generator().manual_seed(0),
+            )
+            assert sampled.tree_rounds == 0
