@@ -211,20 +211,24 @@ def test_cost_aware_trees_verify_only_the_nodes_that_pay():
     assert per_round["cost"] < per_round["full"]
 
 
+def eight_tokens(target, draft, prompt: torch.Tensor, do_sample: bool):
+    return speculative_generate(
+        target,
+        draft,
+        prompt,
+        max_new_tokens=8,
+        do_sample=do_sample,
+        eos_token_id=[],
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
 def test_sampling_verifies_chains_and_says_why():
     target, draft = small_vocabulary_models("qwen3")
     draft.drafting_options = TREE
     prompt = random_prompts(1, seed=2, vocab_size=VOCAB_SIZE)[0]
     with pytest.warns(UserWarning, match="tree_nodes=8: verifying chains instead, since sampling"):
-        output = speculative_generate(
-            target,
-            draft,
-            prompt,
-            max_new_tokens=8,
-            do_sample=True,
-            eos_token_id=[],
-            generator=torch.Generator().manual_seed(0),
-        )
+        output = eight_tokens(target, draft, prompt, do_sample=True)
     assert output.tree_rounds == 0 and output.num_new_tokens == [8]
     with pytest.raises(ValueError, match="tree_nodes=-1 is invalid"):
         DraftingOptions(tree_nodes=-1)
@@ -247,13 +251,4 @@ def test_by_default_cost_aware_greedy_rounds_verify_trees_and_others_chains_sile
         warnings.simplefilter("error")  # no fallback warning
         for options, do_sample in ((DraftingOptions(draft_length="full"), False), (draft.drafting_options, True)):
             draft.drafting_options = options
-            sampled = speculative_generate(
-                target,
-                draft,
-                prompt,
-                max_new_tokens=8,
-                do_sample=do_sample,
-                eos_token_id=[],
-                generator=torch.Generator().manual_seed(0),
-            )
-            assert sampled.tree_rounds == 0
+            assert eight_tokens(target, draft, prompt, do_sample).tree_rounds == 0
