@@ -258,22 +258,55 @@ def _task_state(task_path: str) -> str:
         return stat.read().rsplit(")", 1)[1].split()[0]  # the field after the command name, which may hold spaces
 
 
-@contextlib.contextmanager
-def threads_fitted_to_load(device: torch.device) -> Iterator[int]:
-    """Run torch, for the block, on the cores that other processes leave free (at least one); yields the thread
-    count. CPU only.
+PROBE_LINEARS = 8  # the model's first linears, one row each: the small parallel regions a decode step is made of
+PROBE_ROUNDS = 4  # each timing runs them this many times (~3 ms for a 135M model)
+PROBE_REPEATS = 5  # timings per thread count, taken in turn; the median counts
 
-    Torch's OpenMP threads meet at the end of every parallel region: where one shares its core with a busy process,
-    the others wait for it, and a decode step beside one busy process took 4x as long on two threads as on one
-    (BENCHMARKS.md). Multi-token passes have more regions, so speculative decoding lost more than plain decoding.
+
+@torch.no_grad()
+def faster_thread_count(model: nn.Module, counts: tuple[int, int]) -> int:
+    """Which of two thread counts runs `model`'s one-row products faster now: a few of its linears, timed on each
+    count in turn, the median of `PROBE_REPEATS` timings each; the first count on a tie."""
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)][:PROBE_LINEARS]
+    rows = [module.weight.new_zeros(1, module.in_features) for module in linears]
+    times: dict[int, list[float]] = {count: [] for count in counts}
+    threads = torch.get_num_threads()
+    try:
+        for _ in range(PROBE_REPEATS):
+            for count in counts:
+                torch.set_num_threads(count)
+                start = time.perf_counter()
+                for _ in range(PROBE_ROUNDS):
+                    for linear, row in zip(linears, rows):
+                        linear(row)
+                times[count].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    median = {count: sorted(timings)[len(timings) // 2] for count, timings in times.items()}
+    return min(counts, key=lambda count: (median[count], counts.index(count)))
+
+
+@contextlib.contextmanager
+def threads_fitted_to_load(model: nn.Module) -> Iterator[int]:
+    """Run torch, for the block, on the thread count that runs `model` fastest beside the other processes ready to
+    run now; yields the thread count. CPU only.
+
+    Torch's OpenMP threads meet at the end of every parallel region, so where one shares its core with a busy
+    process the others can wait for it. How much that costs depends on the CPU and on the other process: beside a
+    second busy process a decode step took 4x as long on two threads as on one on an Intel Xeon, while on an AMD
+    EPYC, beside a nice-19 one, two threads stayed ~1.3x faster than one (BENCHMARKS.md). So where other tasks are
+    ready to run, the model's own small products are timed on torch's threads and on the cores the others leave
+    free (at least one), and the faster count runs (`faster_thread_count`, ~30 ms). Looking at the load costs ~5 ms.
     `DOMINO_FIT_THREADS=0` keeps torch's thread count.
     """
     threads = torch.get_num_threads()
+    device = next(model.parameters()).device
     if device.type != "cpu" or threads == 1 or os.environ.get("DOMINO_FIT_THREADS") == "0":
         yield threads
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    fitted = max(1, min(threads, cores - other_runnable_tasks()))
+    free = max(1, min(threads, cores - other_runnable_tasks()))
+    fitted = threads if free == threads else faster_thread_count(model, (threads, free))
     torch.set_num_threads(fitted)
     try:
         yield fitted
@@ -281,4 +314,11 @@ def threads_fitted_to_load(device: torch.device) -> Iterator[int]:
         torch.set_num_threads(threads)
 
 
-__all__ = ["CPUOptimization", "optimize_for_cpu", "other_runnable_tasks", "plan_cache_path", "threads_fitted_to_load"]
+__all__ = [
+    "CPUOptimization",
+    "faster_thread_count",
+    "optimize_for_cpu",
+    "other_runnable_tasks",
+    "plan_cache_path",
+    "threads_fitted_to_load",
+]

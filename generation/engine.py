@@ -309,7 +309,7 @@ def speculative_generate(
         generator,
         options,
     )
-    with threads_fitted_to_load(input_ids.device):  # a busy machine's cores are not ours
+    with threads_fitted_to_load(target):  # a busy machine's cores may not be ours
         clock = DeviceClock(input_ids.device)
         start = clock()
         record = _Record(input_ids, attention_mask, setup, pad_token_id)
