@@ -114,14 +114,18 @@ class CostModel:
     the first, which builds the draft's kernels for the batch's shapes), so no call pays an up-front measurement: a
     running average of the timings of each draft count, fitted non-decreasing in the count (a count timed once after
     a stall is pooled with the often-timed counts around it), and where a count was never timed the prior shape
-    (`PRIOR_VERIFY_STEPS_PER_DRAFT`) scaled to the nearest timed count. Every decision weighs ratios of costs, so
-    before any timing the prior alone decides."""
+    scaled to the nearest timed count. The prior shape is `prior`'s (the costs learned at another batch size), else
+    `PRIOR_VERIFY_STEPS_PER_DRAFT` and `PRIOR_DRAFT_STEPS`. Every decision weighs ratios of costs, so before any
+    timing the prior alone decides."""
 
-    def __init__(self, num_drafts: int):
+    def __init__(self, num_drafts: int, prior: DraftCosts | None = None):
         self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
         self.verify_counts = [0] * (num_drafts + 1)
         self.draft_seconds: float | None = None
         self.draft_rounds = 0
+        if prior is None:
+            prior = DraftCosts(tuple(_prior_steps(k) for k in range(num_drafts + 1)), PRIOR_DRAFT_STEPS)
+        self.prior = prior
 
     def observe_verify(self, num_drafts: int, seconds: float) -> None:
         previous = self.verify_seconds[num_drafts]
@@ -173,10 +177,11 @@ class CostModel:
         for k in range(len(self.verify_seconds)):
             if k not in fitted:
                 nearest = min(timed, key=lambda j: (abs(j - k), j), default=None)
-                scale = 1.0 if nearest is None else fitted[nearest] / _prior_steps(nearest)
-            verify.append(fitted[k] if k in fitted else scale * _prior_steps(k))
-        draft = self.draft_seconds if self.draft_seconds is not None else PRIOR_DRAFT_STEPS * verify[0]
-        return DraftCosts(tuple(verify), draft)
+                scale = 1.0 if nearest is None else fitted[nearest] / self.prior.verify_seconds[nearest]
+            verify.append(fitted[k] if k in fitted else scale * self.prior.verify_seconds[k])
+        if self.draft_seconds is not None:
+            return DraftCosts(tuple(verify), self.draft_seconds)
+        return DraftCosts(tuple(verify), self.prior.draft_seconds / self.prior.verify_seconds[0] * verify[0])
 
 
 def nondecreasing_fit(values: list[float], weights: list[float]) -> list[float]:
@@ -453,13 +458,27 @@ class _Learned:
 
         def cost_model(batch_size: int) -> CostModel:
             if (do_sample, batch_size) not in self.cost_models:
-                model = CostModel(self.num_drafts)
+                model = CostModel(self.num_drafts, self._nearest_costs(do_sample, batch_size))
                 if _stored_name(do_sample, batch_size) in self.stored:
                     model.restore(self.stored[_stored_name(do_sample, batch_size)])
                 self.cost_models[do_sample, batch_size] = model
             return self.cost_models[do_sample, batch_size]
 
         return cost_model
+
+    def _nearest_costs(self, do_sample: bool, batch_size: int) -> DraftCosts | None:
+        """The costs learned at the nearest batch size (the larger on a tie) that timed a plain step: a batch size
+        new to the process (rows that finished leave a batch) starts from their shape, not from a batch-1-like
+        prior, since verify passes over wider batches cost more decode steps per draft."""
+        known = [
+            size
+            for (sampled, size), model in self.cost_models.items()
+            if sampled == do_sample and model.knows_plain_step
+        ]
+        if not known:
+            return None
+        nearest = min(known, key=lambda size: (abs(size - batch_size), -size))
+        return self.cost_models[do_sample, nearest].costs()
 
     def save(self) -> None:
         """Store the timed cost models under `disk_key` in the file they came from, beside what other processes

@@ -106,6 +106,26 @@ def test_the_cost_model_learns_each_timed_count_and_scales_the_prior_to_the_othe
     assert model.costs().draft_seconds == pytest.approx(0.7 * 0.004 + 0.3 * 0.002)
 
 
+def test_a_batch_size_new_to_the_process_starts_from_the_shape_of_the_nearest_timed_one():
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    cost_models = learned_costs(target, draft)
+    wide = cost_models(8)
+    num_drafts = len(wide.verify_seconds) - 1
+    steps = [1.0 + 0.5 * k for k in range(num_drafts + 1)]  # a wide batch's verify passes: half a step a draft
+    for count, step in enumerate(steps):
+        wide.observe_verify(count, 0.1 * step)
+    wide.observe_draft(1.0)  # builds kernels: not counted
+    wide.observe_draft(0.04)
+    narrower = cost_models(6)  # two rows finished
+    narrower.observe_verify(0, 0.08)
+    costs = narrower.costs()
+    assert costs.verify_seconds == pytest.approx([0.08 * step for step in steps])
+    assert costs.draft_seconds == pytest.approx(0.4 * 0.08)
+    assert cost_models(7).prior.verify_seconds == pytest.approx(wide.costs().verify_seconds)  # a tie: the wider
+    assert learned_costs(target, draft, do_sample=True)(6).prior.draft_seconds == 0.25  # sampled: the default prior
+
+
 def test_the_verify_curve_is_fitted_non_decreasing_by_how_often_each_count_was_timed():
     assert nondecreasing_fit([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
     assert nondecreasing_fit([1.0, 9.0, 2.0], [8, 1, 8]) == pytest.approx([1.0, 25 / 9, 25 / 9])
