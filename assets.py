@@ -195,11 +195,17 @@ def mtbench_questions() -> list[dict]:
         return [json.loads(line) for line in file if line.strip()]
 
 
-def gsm_symbolic(size: int, seed: int) -> list[dict]:
-    """`size` generated GSM8K-style problems (`question`, `answer`); disjoint seeds give disjoint sets."""
+def reasoning_gym_problems(task: str, size: int, seed: int) -> list[dict]:
+    """`size` generated problems (`question`, `answer`) of a reasoning-gym task; disjoint seeds give disjoint sets,
+    and a smaller `size` the first problems of a larger one."""
     if importlib.util.find_spec("reasoning_gym") is None:
         raise MissingAssetError(f"reasoning-gym is not installed: run `pip install {REASONING_GYM_PACKAGE}`")
     import reasoning_gym
 
-    dataset = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+    dataset = reasoning_gym.create_dataset(task, size=size, seed=seed)
     return [{"question": item["question"], "answer": item["answer"]} for item in dataset]
+
+
+def gsm_symbolic(size: int, seed: int) -> list[dict]:
+    """`size` generated GSM8K-style problems (`question`, `answer`); disjoint seeds give disjoint sets."""
+    return reasoning_gym_problems("gsm_symbolic", size, seed)

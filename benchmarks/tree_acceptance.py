@@ -28,26 +28,13 @@ from tqdm import tqdm
 from domino_spec import DraftCosts, DraftingOptions
 from domino_spec.generation.bench import tokenized_prompts
 from domino_spec.generation.engine import speculative_generate
-from domino_spec.generation.eval_sets import EVAL_SETS, eval_prompts
+from domino_spec.generation.eval_sets import EVAL_SETS, HELD_OUT_EVAL_SETS, eval_prompts
 from domino_spec.published_format import load_draft
 from domino_spec.targets import eos_token_ids, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
-HELD_OUT = "reasoning-held-out"
-HELD_OUT_TASKS = ("basic_arithmetic", "chain_sum", "leg_counting", "fraction_simplification")
-HELD_OUT_SEED = 123  # the bench's gsm_symbolic prompts use seed 0; no recipe uses these tasks
 # Every round drafts (drafting costs nothing next to a plain step) and every node is verified (a flat verify cost).
 FLAT_COSTS = DraftCosts(verify_seconds=(1.0,) * 65, draft_seconds=0.01)
-
-
-def held_out_prompts(per_task: int) -> list[dict]:
-    import reasoning_gym
-
-    prompts = []
-    for task in HELD_OUT_TASKS:
-        dataset = reasoning_gym.create_dataset(task, size=per_task, seed=HELD_OUT_SEED)
-        prompts += [{"messages": [{"role": "user", "content": item["question"]}]} for item in dataset]
-    return prompts
 
 
 def variants(tree_nodes: list[int]) -> dict[str, DraftingOptions]:
@@ -117,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--draft", default=str(ROOT / "checkpoints" / "domino-smollm2-135m"))
-    parser.add_argument("--eval-sets", default=",".join([*EVAL_SETS, HELD_OUT]))
-    parser.add_argument("--limit", type=int, default=8, help="prompts per set (per task for the held-out set: / 4)")
+    parser.add_argument("--eval-sets", default=",".join(EVAL_SETS + HELD_OUT_EVAL_SETS))
+    parser.add_argument("--limit", type=int, default=8, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--tree-nodes", default="8,16", help="comma-separated tree budgets")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "tree_acceptance.json")
@@ -128,10 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     draft = load_draft(args.draft, dtype=target.dtype).eval()
     eos = eos_token_ids(target, tokenizer)
     eval_sets = [name for name in args.eval_sets.split(",") if name]
-    prompts = {
-        name: held_out_prompts(max(1, args.limit // 4)) if name == HELD_OUT else eval_prompts(name, args.limit)
-        for name in eval_sets
-    }
+    prompts = {name: eval_prompts(name, args.limit) for name in eval_sets}
     prompt_ids = tokenized_prompts(tokenizer, prompts)
     report = {
         "settings": {key: str(value) for key, value in vars(args).items()},

@@ -1,5 +1,5 @@
-"""Evaluation prompts of the benchmark: MT-Bench first turns, HumanEval, a held-out gsm_symbolic set, and long
-prompts built from HumanEval (`humaneval-long`).
+"""Evaluation prompts of the benchmark: MT-Bench first turns, HumanEval, a held-out gsm_symbolic set, long prompts
+built from HumanEval (`humaneval-long`), and reasoning tasks no recipe trains on (`reasoning-held-out`).
 
 Training data must not contain these: `recipes/smollm2-135m/prepare_prompts.py` excludes them and checks for
 overlap. Full GSM8K, MATH-500, MBPP and Alpaca are not installable offline, so they are not offered here.
@@ -9,13 +9,17 @@ from .. import assets
 
 EVAL_SETS = ("mt-bench", "humaneval", "gsm-symbolic")  # what `bench` runs unless told
 LONG_EVAL_SETS = ("humaneval-long",)  # ~1,000-1,500-token prompts: prefill and verify passes over a long context
-ALL_EVAL_SETS = EVAL_SETS + LONG_EVAL_SETS
+HELD_OUT_EVAL_SETS = ("reasoning-held-out",)  # reasoning-gym tasks of another kind than any training data
+ALL_EVAL_SETS = EVAL_SETS + LONG_EVAL_SETS + HELD_OUT_EVAL_SETS
 # Solved code of at least this many characters before each request: with SmolLM2's tokenizer (~3.3 characters a
 # token) and chat template, prompts of 956-1,532 tokens, 1,257 on average.
 LONG_CONTEXT_CHARS = 3000
 # gsm_symbolic problems are generated from a seed: evaluation uses this one, training data other seeds.
 GSM_EVAL_SEED = 0
 GSM_EVAL_SIZE = 200
+HELD_OUT_TASKS = ("basic_arithmetic", "chain_sum", "leg_counting", "fraction_simplification")
+HELD_OUT_SEED = 123
+HELD_OUT_TASK_SIZE = 50
 
 
 def humaneval_message(problem: dict) -> str:
@@ -75,6 +79,13 @@ def eval_prompts(name: str, limit: int | None = None) -> list[dict]:
         ]
     elif name == "humaneval-long":
         items = humaneval_long_messages()
+    elif name == "reasoning-held-out":  # the tasks in turn, so that the first N prompts hold N / 4 of each
+        by_task = [assets.reasoning_gym_problems(task, HELD_OUT_TASK_SIZE, HELD_OUT_SEED) for task in HELD_OUT_TASKS]
+        items = [
+            {"id": f"{task}-{i}", "messages": [{"role": "user", "content": q["question"]}], "reference": q["answer"]}
+            for i, problems in enumerate(zip(*by_task))
+            for task, q in zip(HELD_OUT_TASKS, problems)
+        ]
     else:
         raise ValueError(f"unknown evaluation set {name!r}; choose from {', '.join(ALL_EVAL_SETS)}")
     return items[:limit] if limit is not None else items

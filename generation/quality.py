@@ -24,7 +24,8 @@ from collections.abc import Iterable
 METRICS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics")
 GSM_SETS = ("gsm-symbolic", "gsm_symbolic", "gsm8k")
 HUMANEVAL_SETS = ("humaneval", "humaneval-long")  # scored on the HumanEval problem each asks for
-UNSCORED_SETS = ("mt-bench",)  # open-ended answers: no reference to compare with
+# MT-Bench: open-ended answers, no reference to compare with; reasoning-held-out: for speed and acceptance only
+UNSCORED_SETS = ("mt-bench", "reasoning-held-out")
 HUMANEVAL_TIMEOUT_S = 3.0
 ALLOW_CODE_EVAL_ENV = "HF_ALLOW_CODE_EVAL"  # evaluate's code_eval reads the same variable
 

@@ -15,7 +15,7 @@ from domino_spec import DraftingOptions, cli
 from domino_spec.generation import bench_command
 from domino_spec.generation.bench import NATIVE_METHODS, Setting, run_bench
 from domino_spec.generation.bench_report import write_results
-from domino_spec.generation.eval_sets import LONG_CONTEXT_CHARS, eval_prompts
+from domino_spec.generation.eval_sets import HELD_OUT_TASKS, LONG_CONTEXT_CHARS, eval_prompts
 from domino_spec.training.model_card import acceptance_section
 
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
@@ -264,3 +264,13 @@ def test_long_prompts_show_solved_problems_then_ask_for_an_unsolved_one():
         assert len(context) >= LONG_CONTEXT_CHARS and request["prompt"] in asked
         assert request["canonical_solution"] not in content  # its own solution is never shown
     assert eval_prompts("humaneval-long", limit=2) == items[:2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None, reason="reasoning-gym not installed")
+def test_held_out_reasoning_prompts_take_the_tasks_in_turn_and_none_is_a_training_task():
+    items = eval_prompts("reasoning-held-out", limit=8)
+    tasks = [item["id"].rsplit("-", 1)[0] for item in items]
+    assert tasks == list(HELD_OUT_TASKS) * 2 and len({item["messages"][0]["content"] for item in items}) == 8
+    assert all(item["reference"] for item in items)
+    assert eval_prompts("reasoning-held-out", limit=4) == items[:4]
+    assert "gsm_symbolic" not in HELD_OUT_TASKS  # the recipe's reasoning data
