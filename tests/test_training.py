@@ -409,6 +409,7 @@ def test_a_run_that_raises_gives_back_the_signal_handlers(tmp_path):
 def test_a_first_ctrl_c_asks_for_a_checkpoint_and_a_second_interrupts_at_once():
     from domino_spec.training.trainer import StopOnSignal
 
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran before this test
     stop_on_signal = StopOnSignal()
     stop_on_signal.on_train_begin(None, None, None)
     try:
@@ -418,6 +419,7 @@ def test_a_first_ctrl_c_asks_for_a_checkpoint_and_a_second_interrupts_at_once():
             signal.raise_signal(signal.SIGINT)
     finally:
         stop_on_signal.restore_handlers()
+        signal.signal(signal.SIGINT, before)
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
