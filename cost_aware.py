@@ -234,11 +234,13 @@ class CostAwareDrafting:
     with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
     second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or
     more where a drafting round costs so much of a step that looking would take over `EXPLORATION_SHARE` of the
-    time (a wide batch). A
-    draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
-    run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far its
-    tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
-    Costs come from `cost_models(batch_size)`, which learn from the timings the runs report. Every decision depends
+    time (a wide batch). Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`,
+    which a new process takes from the last: `learned_costs`), it drafts only those looks, and a new process starts
+    looking as seldom as the last had come to. A draft's confidence (its distribution's top probability) is scaled by
+    how often drafts were accepted where the run's earlier rounds predicted they would be (`calibration`). A
+    looked-up round costs no drafting; how far its tokens are accepted is estimated per matched n-gram size and
+    position from the run's earlier looked-up rounds. Costs come from `cost_models(batch_size)`, which learn from the
+    timings the runs report. Every decision depends
     on earlier rounds, the committed tokens and the distributions of the drafts up to the one decided, so sampling
     stays exact.
     """
@@ -246,7 +248,13 @@ class CostAwareDrafting:
     MAX_SKIPPED = 16
     EXPLORATION_SHARE = 0.02
 
-    def __init__(self, costs: DraftCosts | Callable[[int], CostModel], prompt_lookup: int = 0, do_sample: bool = False):
+    def __init__(
+        self,
+        costs: DraftCosts | Callable[[int], CostModel],
+        prompt_lookup: int = 0,
+        do_sample: bool = False,
+        realized_gain: dict[int, float] | None = None,
+    ):
         if isinstance(costs, DraftCosts):
             fixed = FixedCosts(costs)
             self.cost_models: Callable[[int], CostModel] = lambda batch_size: fixed
@@ -256,8 +264,8 @@ class CostAwareDrafting:
         self.expected: torch.Tensor | None = None  # [S]: recent rounds' calibrated reach (`expected_rates`), per token
         self.pays, self.skipped, self.wait = True, 0, 1
         # Per batch size: drafted rounds' tokens per second over plain steps', as they turned out (a running average;
-        # a batch size without rounds of its own goes by the nearest one's).
-        self.realized_gain: dict[int, float] = {}
+        # a batch size without rounds of its own goes by the nearest one's), from earlier processes' rounds on.
+        self.realized_gain: dict[int, float] = {} if realized_gain is None else realized_gain
         self.draft_seconds = None  # the last drafted round's, until it is verified
         # Drafts accepted, and the probability the draft predicted for them summed, over drafts verified with all
         # before them accepted (a chain's confidences) or over every node (a tree's path probabilities). Both start
@@ -292,6 +300,10 @@ class CostAwareDrafting:
         costs = cost_model.costs()
         if self.expected is not None:  # at this batch size's costs, which the last round may have changed
             self.pays = self._drafting_pays(costs, len(sequences))
+        elif self.pays and not self._delivered(len(sequences)):
+            # before this process's first drafted round: where earlier processes' drafted rounds at this batch size
+            # turned out slower than plain steps, look again as seldom as those processes had come to
+            self.pays, self.wait = False, self._longest_wait(costs)
         drafts = self.pays or self.skipped >= self.wait
         looked_up = None if tree and drafts else self._look_up(sequences, limit, costs)
         if looked_up is None and drafts:
@@ -357,18 +369,27 @@ class CostAwareDrafting:
         recent = reach.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
         self.pays = self._drafting_pays(costs, reach.shape[0])
-        looks = math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
-        longest = max(self.MAX_SKIPPED, looks)
-        self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, longest)
+        self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self._longest_wait(costs))
         return costs
+
+    def _longest_wait(self, costs: DraftCosts) -> int:
+        """The most rounds skipped before looking again: `MAX_SKIPPED`, or more where looking would take over
+        `EXPLORATION_SHARE` of the time."""
+        looks = math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
+        return max(self.MAX_SKIPPED, looks)
 
     def _drafting_pays(self, costs: DraftCosts, batch_size: int) -> bool:
         """Whether a round with the recent rounds' reach commits tokens faster than a plain step, and drafted rounds
         at this batch size did, as they turned out (where the draft's confidence misleads, e.g. a wide batch)."""
         predicted = max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
-        if not predicted or not self.realized_gain:
-            return predicted
-        nearest = min(self.realized_gain, key=lambda size: (abs(size - batch_size), -size))  # rows leave a batch
+        return predicted and self._delivered(batch_size)
+
+    def _delivered(self, batch_size: int) -> bool:
+        """Whether drafted rounds at the batch size nearest `batch_size` (rows leave a batch) committed tokens at
+        least as fast as plain steps, as they turned out; True before any was timed."""
+        if not self.realized_gain:
+            return True
+        nearest = min(self.realized_gain, key=lambda size: (abs(size - batch_size), -size))
         return self.realized_gain[nearest] >= 1.0
 
     def accepted(
@@ -439,10 +460,11 @@ class CostAwareDrafting:
 
 class _Learned:
     """What the runs of one target and draft under one set of round options learned in this process: the cost
-    models per sampling and batch size, and the cost-aware draft lengths per prompt-lookup size, sampling and tree
-    (their recent acceptance, calibration and skipping), so each call goes on from the last instead of learning again.
-    The cost models start from those stored under `disk_key` (`draft_costs_path`) and are stored there again
-    (`save`): the machine's costs carry over to its next process. How often drafts are accepted depends on the
+    models per sampling and batch size, what drafted rounds delivered per sampling and batch size, and the
+    cost-aware draft lengths per prompt-lookup size, sampling and tree (their recent acceptance, calibration and
+    skipping), so each call goes on from the last instead of learning again. The cost models and what drafted
+    rounds delivered start from those stored under `disk_key` (`draft_costs_path`) and are stored there again
+    (`save`): they carry over to the machine's next process. How often drafts are accepted depends on the
     prompts, so each process learns that anew."""
 
     def __init__(self, num_drafts: int, disk_key: str):
@@ -450,6 +472,12 @@ class _Learned:
         self.disk_key, self.path = disk_key, draft_costs_path()
         self.stored = read_cache(self.path).get(disk_key, {})  # "greedy 1", "sampled 4", ...: a state
         self.cost_models: dict[tuple[bool, int], CostModel] = {}
+        self.realized_gain: dict[bool, dict[int, float]] = {False: {}, True: {}}  # `CostAwareDrafting.realized_gain`
+        for name, state in self.stored.items():
+            kind, _, batch_size = name.partition(" ")
+            gain = state.get("realized_gain") if isinstance(state, dict) else None
+            if kind in ("greedy", "sampled") and batch_size.isdigit() and isinstance(gain, (int, float)):
+                self.realized_gain[kind == "sampled"][int(batch_size)] = float(gain)  # else a file edited by hand
         self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
 
     def cost_models_of(self, do_sample: bool) -> Callable[[int], CostModel]:
@@ -485,6 +513,7 @@ class _Learned:
         stored."""
         timed = {
             _stored_name(do_sample, batch_size): model.state()
+            | {"realized_gain": self.realized_gain[do_sample].get(batch_size)}
             for (do_sample, batch_size), model in self.cost_models.items()
             if model.knows_plain_step
         }
@@ -574,7 +603,9 @@ def cost_aware_drafting(
     learned.save()  # what the calls before this one timed, for the next process
     key = (options.prompt_lookup, do_sample, tree)
     if key not in learned.drafting:
-        learned.drafting[key] = CostAwareDrafting(learned.cost_models_of(do_sample), options.prompt_lookup, do_sample)
+        learned.drafting[key] = CostAwareDrafting(
+            learned.cost_models_of(do_sample), options.prompt_lookup, do_sample, learned.realized_gain[do_sample]
+        )
     drafting = learned.drafting[key]
     drafting.forget_round()
     return drafting

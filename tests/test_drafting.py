@@ -225,8 +225,10 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     for _ in range(2):  # each call stores what the calls before it timed
         speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
     timed = learned_costs(target, draft)(1)
-    stored = json.loads((tmp_path / "draft_costs.json").read_text())
+    path = tmp_path / "draft_costs.json"
+    stored = json.loads(path.read_text())
     assert len(stored) == 1 and list(next(iter(stored.values()))) == ["greedy 1"]
+    assert "realized_gain" in stored[next(iter(stored))]["greedy 1"]  # what its drafted rounds delivered
 
     forget_draft_costs(target)  # what a new process knows: the file
     restored = learned_costs(target, draft)(1)
@@ -234,27 +236,42 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     assert restored.verify_seconds[0] == pytest.approx(stored[next(iter(stored))]["greedy 1"]["verify_seconds"][0])
     assert not learned_costs(target, draft, do_sample=True)(1).knows_plain_step  # sampled rounds cost otherwise
     assert not learned_costs(target, draft)(2).knows_plain_step  # and so do other batch sizes
+
+    for gain, first_drafting_pass in ((1.5, 1), (0.5, None)):
+        stored[next(iter(stored))]["greedy 1"]["realized_gain"] = gain  # the last process's drafted rounds' gain
+        path.write_text(json.dumps(stored))
+        forget_draft_costs(target)
+        # where they paid, the first round, after the prefill, drafts: no plain step to time first; where they lost,
+        # the new process waits as long as the last had come to (more than these 12 rounds)
+        assert _drafting_passes(target, draft, input_ids)[:1] == ([first_drafting_pass] if first_drafting_pass else [])
+
+    monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
+    forget_draft_costs(draft)
+    assert not learned_costs(target, draft)(1).knows_plain_step  # another file: the prior again
+    monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(path))
+    forget_draft_costs(draft)
+    with optimize_for_cpu(target, draft):  # other kernels: other costs
+        assert not learned_costs(target, draft)(1).knows_plain_step
+
+
+def _drafting_passes(target, draft, input_ids) -> list[int]:
+    """The target passes (the prefill counts 1) before each drafting round, a chain's or a tree's, of a 12-token
+    call."""
     target_passes, drafted_after = [], []
     hook = target.register_forward_pre_hook(lambda *args: target_passes.append(1))
-    block_logits = draft.block_logits  # every drafting round's, a chain's or a tree's
+    block_logits = draft.block_logits
 
     def spied_block_logits(*args, **kwargs):
         drafted_after.append(len(target_passes))
         return block_logits(*args, **kwargs)
 
     draft.block_logits = spied_block_logits
-    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
-    hook.remove()
-    del draft.block_logits
-    assert drafted_after[0] == 1  # the first round, after the prefill, drafts: no plain step to time first
-
-    monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
-    forget_draft_costs(draft)
-    assert not learned_costs(target, draft)(1).knows_plain_step  # another file: the prior again
-    monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "draft_costs.json"))
-    forget_draft_costs(draft)
-    with optimize_for_cpu(target, draft):  # other kernels: other costs
-        assert not learned_costs(target, draft)(1).knows_plain_step
+    try:
+        speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    finally:
+        hook.remove()
+        del draft.block_logits
+    return drafted_after
 
 
 def test_calibration_scales_confidences_by_how_often_drafts_were_accepted():
