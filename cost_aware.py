@@ -106,21 +106,20 @@ PRIOR_DRAFT_STEPS = 0.25
 NEW_TIMING_WEIGHT = 0.3  # each timing's weight in the running estimate: recent rounds count most (machine load moves)
 MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate: a stall is not the machine's speed
 # (a pessimistic estimate is never corrected, since the count it makes look dear is not verified again)
-MAX_TIMING_COUNT = 8  # how much a draft count's estimate weighs against its neighbours' when they disagree
 
 
 class CostModel:
     """What a round costs at one batch size, learned from a process's own verify passes and drafting rounds (all but
     the first, which builds the draft's kernels for the batch's shapes), so no call pays an up-front measurement: a
-    running average of the timings of each draft count, fitted non-decreasing in the count (a count timed once after
-    a stall is pooled with the often-timed counts around it), and where a count was never timed the prior shape
-    scaled to the nearest timed count. The prior shape is `prior`'s (the costs learned at another batch size), else
+    running average of the timings of each draft count, capped by every longer count's (a pass never costs more
+    than a longer one: a count that looked dear after a stall, or in an earlier process, and so is not verified
+    again, is corrected by the counts that are), and where a count was never timed the prior shape scaled to the
+    nearest timed count. The prior shape is `prior`'s (the costs learned at another batch size), else
     `PRIOR_VERIFY_STEPS_PER_DRAFT` and `PRIOR_DRAFT_STEPS`. Every decision weighs ratios of costs, so before any
     timing the prior alone decides."""
 
     def __init__(self, num_drafts: int, prior: DraftCosts | None = None):
         self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
-        self.verify_counts = [0] * (num_drafts + 1)
         self.draft_seconds: float | None = None
         self.draft_rounds = 0
         if prior is None:
@@ -132,7 +131,6 @@ class CostModel:
         if previous is None and self.knows_plain_step:  # a first timing, weighed against what the others predict
             seconds = min(seconds, MAX_TIMING_JUMP * self.costs().verify_seconds[num_drafts])
         self.verify_seconds[num_drafts] = _average(previous, seconds)
-        self.verify_counts[num_drafts] = min(self.verify_counts[num_drafts] + 1, MAX_TIMING_COUNT)
 
     def observe_draft(self, seconds: float) -> None:
         self.draft_rounds += 1
@@ -151,28 +149,19 @@ class CostModel:
 
     def state(self) -> dict:
         """What was timed, as JSON values (`restore`)."""
-        return {"verify_seconds": self.verify_seconds, "verify_counts": self.verify_counts, "draft": self.draft_seconds}
+        return {"verify_seconds": self.verify_seconds, "draft": self.draft_seconds}
 
     def restore(self, state: dict) -> None:
         """Go on from what another process timed (`state`); its first drafting round is still left out, since this
         process builds the draft's kernels again."""
-        seconds, counts = state.get("verify_seconds"), state.get("verify_counts")  # a file edited by hand: ignored
-        if (
-            isinstance(seconds, list)
-            and isinstance(counts, list)
-            and len(seconds) == len(counts) == len(self.verify_seconds)
-        ):
-            self.verify_seconds, self.verify_counts = list(seconds), list(counts)
+        seconds = state.get("verify_seconds")
+        if isinstance(seconds, list) and len(seconds) == len(self.verify_seconds):  # else a file edited by hand
+            self.verify_seconds = list(seconds)
             self.draft_seconds = state.get("draft")
 
     def costs(self) -> DraftCosts:
         timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
-        fitted = dict(
-            zip(
-                timed,
-                nondecreasing_fit([self.verify_seconds[k] for k in timed], [self.verify_counts[k] for k in timed]),
-            )
-        )
+        fitted = dict(zip(timed, capped_by_longer([self.verify_seconds[k] for k in timed])))
         verify = []
         for k in range(len(self.verify_seconds)):
             if k not in fitted:
@@ -184,16 +173,14 @@ class CostModel:
         return DraftCosts(tuple(verify), self.prior.draft_seconds / self.prior.verify_seconds[0] * verify[0])
 
 
-def nondecreasing_fit(values: list[float], weights: list[float]) -> list[float]:
-    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for value, weight in zip(values, weights):
-        blocks.append([value, weight, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (mean_a, weight_a, length_a), (mean_b, weight_b, length_b) = blocks.pop(-2), blocks.pop()
-            total = weight_a + weight_b
-            blocks.append([(mean_a * weight_a + mean_b * weight_b) / total, total, length_a + length_b])
-    return [mean for mean, _, length in blocks for _ in range(length)]
+def capped_by_longer(values: list[float]) -> list[float]:
+    """Each of `values` (costs of ever longer passes) capped by every later one: the non-decreasing sequence that
+    trusts the cheaper of two timings that disagree."""
+    capped, cheapest = [], math.inf
+    for value in reversed(values):
+        cheapest = min(cheapest, value)
+        capped.append(cheapest)
+    return capped[::-1]
 
 
 def _prior_steps(num_drafts: int) -> float:

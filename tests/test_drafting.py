@@ -10,11 +10,11 @@ from domino_spec.cache_domino import DominoContextCache
 from domino_spec.cost_aware import (
     CostAwareDrafting,
     CostModel,
+    capped_by_longer,
     choose_draft_length,
     cost_aware_drafting,
     forget_draft_costs,
     learned_costs,
-    nondecreasing_fit,
     prompt_lookup,
 )
 from domino_spec.drafting import DraftSampling
@@ -126,10 +126,9 @@ def test_a_batch_size_new_to_the_process_starts_from_the_shape_of_the_nearest_ti
     assert learned_costs(target, draft, do_sample=True)(6).prior.draft_seconds == 0.25  # sampled: the default prior
 
 
-def test_the_verify_curve_is_fitted_non_decreasing_by_how_often_each_count_was_timed():
-    assert nondecreasing_fit([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
-    assert nondecreasing_fit([1.0, 9.0, 2.0], [8, 1, 8]) == pytest.approx([1.0, 25 / 9, 25 / 9])
-    assert nondecreasing_fit([3.0, 2.0, 1.0], [1, 1, 1]) == pytest.approx([2.0, 2.0, 2.0])
+def test_a_count_that_looked_dear_is_corrected_by_the_longer_passes_timed_since():
+    assert capped_by_longer([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.0, 2.0, 4.0]
+    assert capped_by_longer([3.0, 2.0, 1.0]) == [1.0, 1.0, 1.0]
     model = CostModel(num_drafts=4)
     for _ in range(8):
         model.observe_verify(0, 0.050)
@@ -137,11 +136,16 @@ def test_the_verify_curve_is_fitted_non_decreasing_by_how_often_each_count_was_t
             model.observe_verify(count, 0.055)
     model.observe_verify(1, 0.500)  # one pass over 1 draft after a stall, never timed again
     costs = model.costs().verify_seconds
-    first = 2 * 0.050 * 1.1  # a first timing counts as at most twice the prior shape scaled to the nearest count
-    assert costs[0] == pytest.approx(0.050) and costs[1:] == pytest.approx(((first + 24 * 0.055) / 25,) * 4)
-    assert costs[1] < 0.06  # and is pooled with the often-timed counts: longer passes still pay
+    assert costs[0] == pytest.approx(0.050) and costs[1:] == pytest.approx((0.055,) * 4)  # longer passes cost no more
     model.observe_verify(0, 1.0)  # a stall in a well-timed count moves it by at most a doubling
     assert model.verify_seconds[0] == pytest.approx(0.7 * 0.05 + 0.3 * 0.1)
+
+    stale = CostModel(num_drafts=4)  # an earlier process timed the short passes during a slow spell
+    stale.restore({"verify_seconds": [0.050, 0.120, 0.120, 0.130, 0.130], "draft": 0.010})
+    for _ in range(5):  # this one verifies only long blocks, at their real cost
+        stale.observe_verify(4, 0.060)
+    costs = stale.costs().verify_seconds
+    assert costs[1:] == pytest.approx([stale.verify_seconds[4]] * 4) and costs[1] < 0.075  # the short ones too
 
 
 def test_a_call_goes_on_from_the_acceptance_the_calls_before_it_learned():
