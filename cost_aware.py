@@ -217,19 +217,18 @@ class CostAwareDrafting:
     the drafts to verify (`length`); after verifying, how far the tokens were accepted and what the pass took
     (`accepted`). A call goes on from the rounds of the calls before it.
 
-    A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round
-    with the recent confidences (an average that halves the weight of each older round) would commit more tokens per
-    second than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or
-    more where a drafting round costs so much of a step that looking would take over `EXPLORATION_SHARE` of the
-    time (a wide batch). Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`,
-    which a new process takes from the last: `learned_costs`), it drafts only those looks, and a new process starts
-    looking as seldom as the last had come to. A draft's confidence (its distribution's top probability) is scaled by
-    how often drafts were accepted where the run's earlier rounds predicted they would be (`calibration`). A
-    looked-up round costs no drafting; how far its tokens are accepted is estimated per matched n-gram size and
-    position from the run's earlier looked-up rounds. Costs come from `cost_models(batch_size)`, which learn from the
-    timings the runs report. Every decision depends
-    on earlier rounds, the committed tokens and the distributions of the drafts up to the one decided, so sampling
-    stays exact.
+    A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round with
+    the recent confidences (an average that halves the weight of each older round) would commit more tokens per second
+    than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or more where a
+    drafting round costs so much of a step that looking would take over `EXPLORATION_SHARE` of the time (a wide batch).
+    Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
+    from the last: `learned_costs`), it drafts only those looks, and a new process starts looking as seldom as the last
+    had come to. A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted
+    where the run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
+    its tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
+    Costs come from `cost_models(batch_size, context)` (`context_bucket`), which learn from the timings the runs report.
+    Every decision depends on earlier rounds, the committed tokens and the distributions of the drafts up to the one
+    decided, so sampling stays exact.
     """
 
     MAX_SKIPPED = 16
@@ -237,14 +236,14 @@ class CostAwareDrafting:
 
     def __init__(
         self,
-        costs: DraftCosts | Callable[[int], CostModel],
+        costs: DraftCosts | Callable[[int, int], CostModel],
         prompt_lookup: int = 0,
         do_sample: bool = False,
         realized_gain: dict[int, float] | None = None,
     ):
         if isinstance(costs, DraftCosts):
             fixed = FixedCosts(costs)
-            self.cost_models: Callable[[int], CostModel] = lambda batch_size: fixed
+            self.cost_models: Callable[[int, int], CostModel] = lambda batch_size, context: fixed
         else:
             self.cost_models = costs
         self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
@@ -261,13 +260,17 @@ class CostAwareDrafting:
         self.predictions: torch.Tensor | None = None  # [B, S]: the last drafted round's, until it is verified
         self.tree = False  # whether those are a tree's path probabilities
         self.max_ngram_size = prompt_lookup
-        num_drafts = len(self.cost_models(1).costs().verify_seconds) - 1
+        self.context = SHORTEST_CONTEXT  # the `context_bucket` of the rows' committed tokens, set each round
+        num_drafts = len(self._cost_model(1).costs().verify_seconds) - 1
         # Per matched n-gram size and position: looked-up tokens accepted, and verified with all before them accepted.
         # The counts start at one of two, a prior of one half.
         self.lookup_accepted = torch.ones(prompt_lookup, num_drafts, dtype=torch.float64)
         self.lookup_reached = torch.full((prompt_lookup, num_drafts), 2.0, dtype=torch.float64)
         self.looked_up: list[int] = []  # the n-gram size of each row of the last looked-up round, empty after drafting
         self.branches: list[tuple[int, torch.Tensor]] = []  # each row's (n-gram size, tokens) of a tree round
+
+    def _cost_model(self, batch_size: int) -> CostModel:
+        return self.cost_models(batch_size, self.context)
 
     @property
     def calibration(self) -> float:
@@ -281,7 +284,8 @@ class CostAwareDrafting:
         or none (k = 0) for a plain step, which the first round at a batch size is: it times the step that every
         other choice is weighed against. A `tree` round that drafts takes the looked-up tokens as one of its
         branches instead (`lookup_branch`)."""
-        cost_model = self.cost_models(len(sequences))
+        self.context = context_bucket(max(sequence.shape[0] for sequence in sequences))
+        cost_model = self._cost_model(len(sequences))
         if not cost_model.knows_plain_step:
             return sequences[0].new_zeros(len(sequences), 0)
         costs = cost_model.costs()
@@ -327,7 +331,7 @@ class CostAwareDrafting:
 
     def drafted(self, seconds: float, batch_size: int) -> None:
         """A drafting round of `batch_size` rows took `seconds`."""
-        cost_model = self.cost_models(batch_size)
+        cost_model = self._cost_model(batch_size)
         cost_model.observe_draft(seconds)
         self.draft_seconds = seconds if cost_model.drafting_timed else None  # not while its kernels are built
 
@@ -352,7 +356,7 @@ class CostAwareDrafting:
     def _remember(self, reach: torch.Tensor) -> DraftCosts:
         """Fold a drafted round's `reach` `[B, S]` into the recent rounds' and decide whether drafting pays; returns
         the costs at its batch size."""
-        costs = self.cost_models(reach.shape[0]).costs()
+        costs = self._cost_model(reach.shape[0]).costs()
         recent = reach.mean(0)
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
         self.pays = self._drafting_pays(costs, reach.shape[0])
@@ -391,7 +395,7 @@ class CostAwareDrafting:
         holds each row's accepted tokens, then the target's."""
         if seconds is not None:
             batch_size = len(num_accepted)
-            cost_model = self.cost_models(batch_size)
+            cost_model = self._cost_model(batch_size)
             cost_model.observe_verify(num_verified, seconds)
             # Only rounds that verified drafts say whether drafts deliver what they promised: a round whose own
             # length chose none (a look while drafting does not pay) would only confirm that it does not.
@@ -447,9 +451,9 @@ class CostAwareDrafting:
 
 class _Learned:
     """What the runs of one target and draft under one set of round options learned in this process: the cost
-    models per sampling and batch size, what drafted rounds delivered per sampling and batch size, and the
-    cost-aware draft lengths per prompt-lookup size, sampling and tree (their recent acceptance, calibration and
-    skipping), so each call goes on from the last instead of learning again. The cost models and what drafted
+    models per sampling, batch size and context length, what drafted rounds delivered per sampling and batch size,
+    and the cost-aware draft lengths per prompt-lookup size, sampling and tree (their recent acceptance, calibration
+    and skipping), so each call goes on from the last instead of learning again. The cost models and what drafted
     rounds delivered start from those stored under `disk_key` (`draft_costs_path`) and are stored there again
     (`save`): they carry over to the machine's next process. How often drafts are accepted depends on the
     prompts, so each process learns that anew."""
@@ -457,60 +461,68 @@ class _Learned:
     def __init__(self, num_drafts: int, disk_key: str):
         self.num_drafts = num_drafts
         self.disk_key, self.path = disk_key, draft_costs_path()
-        self.stored = read_cache(self.path).get(disk_key, {})  # "greedy 1", "sampled 4", ...: a state
-        self.cost_models: dict[tuple[bool, int], CostModel] = {}
+        self.stored = read_cache(self.path).get(disk_key, {})  # "greedy 1 256": a cost state; "greedy gains": gains
+        self.cost_models: dict[tuple[bool, int, int], CostModel] = {}
         self.realized_gain: dict[bool, dict[int, float]] = {False: {}, True: {}}  # `CostAwareDrafting.realized_gain`
-        for name, state in self.stored.items():
-            kind, _, batch_size = name.partition(" ")
-            gain = state.get("realized_gain") if isinstance(state, dict) else None
-            if kind in ("greedy", "sampled") and batch_size.isdigit() and isinstance(gain, (int, float)):
-                self.realized_gain[kind == "sampled"][int(batch_size)] = float(gain)  # else a file edited by hand
+        for do_sample in (False, True):
+            gains = self.stored.get(_stored_name(do_sample, "gains"))
+            for batch_size, gain in gains.items() if isinstance(gains, dict) else ():
+                if batch_size.isdigit() and isinstance(gain, (int, float)):  # else a file edited by hand
+                    self.realized_gain[do_sample][int(batch_size)] = float(gain)
         self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
 
-    def cost_models_of(self, do_sample: bool) -> Callable[[int], CostModel]:
-        """The cost models per batch size of greedy or of sampled rounds, which differ: a sampled verify pass also
-        warps and samples from every row's logits over the whole vocabulary, once per verified token."""
+    def cost_models_of(self, do_sample: bool) -> Callable[[int, int], CostModel]:
+        """The cost models per batch size and context length (`context_bucket`) of greedy or of sampled rounds,
+        which differ: a sampled verify pass also warps and samples from every row's logits over the whole
+        vocabulary, once per verified token."""
 
-        def cost_model(batch_size: int) -> CostModel:
-            if (do_sample, batch_size) not in self.cost_models:
-                model = CostModel(self.num_drafts, self._nearest_costs(do_sample, batch_size))
-                if _stored_name(do_sample, batch_size) in self.stored:
-                    model.restore(self.stored[_stored_name(do_sample, batch_size)])
-                self.cost_models[do_sample, batch_size] = model
-            return self.cost_models[do_sample, batch_size]
+        def cost_model(batch_size: int, context: int = SHORTEST_CONTEXT) -> CostModel:
+            key = (do_sample, batch_size, context)
+            if key not in self.cost_models:
+                model = CostModel(self.num_drafts, self._nearest_costs(*key))
+                if _stored_name(*key) in self.stored:
+                    model.restore(self.stored[_stored_name(*key)])
+                self.cost_models[key] = model
+            return self.cost_models[key]
 
         return cost_model
 
-    def _nearest_costs(self, do_sample: bool, batch_size: int) -> DraftCosts | None:
-        """The costs learned at the nearest batch size (the larger on a tie) that timed a plain step: a batch size
-        new to the process (rows that finished leave a batch) starts from their shape, not from a batch-1-like
-        prior, since verify passes over wider batches cost more decode steps per draft."""
-        known = [
-            size
-            for (sampled, size), model in self.cost_models.items()
-            if sampled == do_sample and model.knows_plain_step
-        ]
+    def _nearest_costs(self, do_sample: bool, batch_size: int, context: int) -> DraftCosts | None:
+        """The costs learned at the nearest batch size (the larger on a tie), then context length, that timed a
+        plain step: a batch size or context new to the process (rows that finished leave a batch; a context grows)
+        starts from their shape, not from a batch-1-like prior, since verify passes over wider batches cost more
+        decode steps per draft."""
+        known = [key for key, model in self.cost_models.items() if key[0] == do_sample and model.knows_plain_step]
         if not known:
             return None
-        nearest = min(known, key=lambda size: (abs(size - batch_size), -size))
-        return self.cost_models[do_sample, nearest].costs()
+        nearest = min(
+            known,
+            key=lambda key: (abs(key[1] - batch_size), -key[1], abs(math.log2(key[2] / context)), -key[2]),
+        )
+        return self.cost_models[nearest].costs()
 
     def save(self) -> None:
-        """Store the timed cost models under `disk_key` in the file they came from, beside what other processes
-        stored."""
-        timed = {
-            _stored_name(do_sample, batch_size): model.state()
-            | {"realized_gain": self.realized_gain[do_sample].get(batch_size)}
-            for (do_sample, batch_size), model in self.cost_models.items()
-            if model.knows_plain_step
-        }
+        """Store the timed cost models and what drafted rounds delivered under `disk_key` in the file they came
+        from, beside what other processes stored."""
+        timed = {_stored_name(*key): model.state() for key, model in self.cost_models.items() if model.knows_plain_step}
         if timed:
-            self.stored |= timed
+            gains = {_stored_name(do_sample, "gains"): gains for do_sample, gains in self.realized_gain.items()}
+            self.stored |= timed | gains
             write_cache(self.path, read_cache(self.path) | {self.disk_key: self.stored})
 
 
-def _stored_name(do_sample: bool, batch_size: int) -> str:
-    return f"{'sampled' if do_sample else 'greedy'} {batch_size}"
+SHORTEST_CONTEXT = 256  # contexts up to this many tokens share a cost model; longer ones one per doubling
+
+
+def context_bucket(num_tokens: int) -> int:
+    """The context length whose cost model a round with rows of up to `num_tokens` tokens uses: the power of two at
+    or above it, at least `SHORTEST_CONTEXT`. A pass costs more the longer the context it attends to and the cache
+    it extends, so a plain step timed beside short prompts says little of one beside long prompts."""
+    return max(SHORTEST_CONTEXT, 1 << (max(num_tokens, 1) - 1).bit_length())
+
+
+def _stored_name(do_sample: bool, *shape) -> str:
+    return " ".join(["sampled" if do_sample else "greedy", *map(str, shape)])
 
 
 def draft_costs_path() -> str:
@@ -561,10 +573,11 @@ def _learned_with(target, draft, options: DraftingOptions) -> _Learned:
 
 def learned_costs(
     target, draft, options: DraftingOptions | None = None, do_sample: bool = False
-) -> Callable[[int], CostModel]:
-    """The cost models of greedy (or sampled) rounds with `target` and `draft` under `options`, per batch size,
-    learned by every run in this process: a later call starts from what earlier ones timed. Options that only choose
-    what to verify (the draft length, its costs, prompt lookup) share them."""
+) -> Callable[..., CostModel]:
+    """The cost models of greedy (or sampled) rounds with `target` and `draft` under `options`, per batch size and
+    context length (`cost_model(batch_size, context=SHORTEST_CONTEXT)`, `context_bucket`), learned by every run in this
+    process: a later call starts from what earlier ones timed. Options that only choose what to verify (the draft
+    length, its costs, prompt lookup) share them."""
     return _learned_with(target, draft, options or draft.drafting_options).cost_models_of(do_sample)
 
 

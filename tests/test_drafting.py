@@ -12,6 +12,7 @@ from domino_spec.cost_aware import (
     CostModel,
     capped_by_longer,
     choose_draft_length,
+    context_bucket,
     cost_aware_drafting,
     forget_draft_costs,
     learned_costs,
@@ -126,6 +127,24 @@ def test_a_batch_size_new_to_the_process_starts_from_the_shape_of_the_nearest_ti
     assert learned_costs(target, draft, do_sample=True)(6).prior.draft_seconds == 0.25  # sampled: the default prior
 
 
+def test_rounds_beside_a_longer_context_time_their_own_plain_step_first():
+    """A pass costs more the longer the context: a plain step timed beside short prompts is not one beside long ones."""
+    assert [context_bucket(n) for n in (1, 256, 257, 1400)] == [256, 256, 512, 2048]
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    cost_models = learned_costs(target, draft)
+    drafting = CostAwareDrafting(cost_models)
+    short, long = [torch.arange(100)] * 4, [torch.arange(1400)] * 4
+    assert drafting.plan(short, limit=4).shape == (4, 0)  # the first round at a batch size times a plain step
+    drafting.accepted(0, [0] * 4, seconds=0.05)
+    assert drafting.plan(short, limit=4) is None  # then drafts
+    drafting.forget_round()
+    assert drafting.plan(long, limit=4).shape == (4, 0)  # beside long prompts: a plain step of their own first
+    drafting.accepted(0, [0] * 4, seconds=0.15)
+    assert cost_models(4).verify_seconds[0] == 0.05 and cost_models(4, 2048).verify_seconds[0] == 0.15
+    assert cost_models(4, 2048).prior.verify_seconds == pytest.approx(cost_models(4).costs().verify_seconds)
+
+
 def test_a_count_that_looked_dear_is_corrected_by_the_longer_passes_timed_since():
     assert capped_by_longer([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.0, 2.0, 4.0]
     assert capped_by_longer([3.0, 2.0, 1.0]) == [1.0, 1.0, 1.0]
@@ -231,18 +250,17 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     timed = learned_costs(target, draft)(1)
     path = tmp_path / "draft_costs.json"
     stored = json.loads(path.read_text())
-    assert len(stored) == 1 and list(next(iter(stored.values()))) == ["greedy 1"]
-    assert "realized_gain" in stored[next(iter(stored))]["greedy 1"]  # what its drafted rounds delivered
+    assert len(stored) == 1 and sorted(next(iter(stored.values()))) == ["greedy 1 256", "greedy gains", "sampled gains"]
 
     forget_draft_costs(target)  # what a new process knows: the file
     restored = learned_costs(target, draft)(1)
     assert restored is not timed and restored.knows_plain_step and restored.draft_rounds == 0
-    assert restored.verify_seconds[0] == pytest.approx(stored[next(iter(stored))]["greedy 1"]["verify_seconds"][0])
+    assert restored.verify_seconds[0] == pytest.approx(stored[next(iter(stored))]["greedy 1 256"]["verify_seconds"][0])
     assert not learned_costs(target, draft, do_sample=True)(1).knows_plain_step  # sampled rounds cost otherwise
     assert not learned_costs(target, draft)(2).knows_plain_step  # and so do other batch sizes
 
     for gain, first_drafting_pass in ((1.5, 1), (0.5, None)):
-        stored[next(iter(stored))]["greedy 1"]["realized_gain"] = gain  # the last process's drafted rounds' gain
+        stored[next(iter(stored))]["greedy gains"] = {"1": gain}  # what the last process's drafted rounds delivered
         path.write_text(json.dumps(stored))
         forget_draft_costs(target)
         # where they paid, the first round, after the prefill, drafts: no plain step to time first; where they lost,

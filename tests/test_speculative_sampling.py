@@ -404,7 +404,7 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
     lengths = []
 
     def recording(self, confidence, limit):
-        lengths.append(choose_draft_length(confidence, self.cost_models(1).costs()))
+        lengths.append(choose_draft_length(confidence, self.cost_models(1, self.context).costs()))
         return length(self, confidence, limit)
 
     length = CostAwareDrafting.length
