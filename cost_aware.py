@@ -109,14 +109,14 @@ MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate
 
 
 class CostModel:
-    """What a round costs at one batch size, learned from a process's own verify passes and drafting rounds (all but
-    the first, which builds the draft's kernels for the batch's shapes), so no call pays an up-front measurement: a
-    running average of the timings of each draft count, capped by every longer count's (a pass never costs more
-    than a longer one: a count that looked dear after a stall, or in an earlier process, and so is not verified
-    again, is corrected by the counts that are), and where a count was never timed the prior shape scaled to the
-    nearest timed count. The prior shape is `prior`'s (the costs learned at another batch size), else
-    `PRIOR_VERIFY_STEPS_PER_DRAFT` and `PRIOR_DRAFT_STEPS`. Every decision weighs ratios of costs, so before any
-    timing the prior alone decides."""
+    """What a round costs at one batch size and context length, learned from a process's own verify passes and drafting
+    rounds (all but the first, which builds the draft's kernels for the batch's shapes), so no call pays an up-front
+    measurement: a running average of the timings of each draft count, capped by every longer count's (a pass never
+    costs more than a longer one: a count that looked dear after a stall, or in an earlier process, and so is not
+    verified again, is corrected by the counts that are), and where a count was never timed the prior shape scaled to
+    the nearest timed count. The prior shape is `prior`'s (the costs learned at another batch size), else
+    `PRIOR_VERIFY_STEPS_PER_DRAFT` and `PRIOR_DRAFT_STEPS`. Every decision weighs ratios of costs, so before any timing
+    the prior alone decides."""
 
     def __init__(self, num_drafts: int, prior: DraftCosts | None = None):
         self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
@@ -279,11 +279,11 @@ class CostAwareDrafting:
 
     def plan(self, sequences: list[torch.Tensor], limit: int, tree: bool = False) -> torch.Tensor | None:
         """Before a round, given each row's committed tokens: None to draft it; else the tokens `[B, k]` to verify
-        instead, k <= `limit`: those that followed an earlier occurrence of each row's last tokens
-        (`prompt_lookup`) where verifying them is expected to commit tokens faster than drafting or a plain step,
-        or none (k = 0) for a plain step, which the first round at a batch size is: it times the step that every
-        other choice is weighed against. A `tree` round that drafts takes the looked-up tokens as one of its
-        branches instead (`lookup_branch`)."""
+        instead, k <= `limit`: those that followed an earlier occurrence of each row's last tokens (`prompt_lookup`)
+        where verifying them is expected to commit tokens faster than drafting or a plain step, or none (k = 0) for a
+        plain step, which the first round at a batch size and context length is: it times the step that every other
+        choice is weighed against. A `tree` round that drafts takes the looked-up tokens as one of its branches instead
+        (`lookup_branch`)."""
         self.context = context_bucket(max(sequence.shape[0] for sequence in sequences))
         cost_model = self._cost_model(len(sequences))
         if not cost_model.knows_plain_step:
