@@ -105,7 +105,8 @@ PRIOR_VERIFY_STEPS_PER_DRAFT = 0.1
 PRIOR_DRAFT_STEPS = 0.25
 NEW_TIMING_WEIGHT = 0.3  # each timing's weight in the running estimate: recent rounds count most (machine load moves)
 MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate: a stall is not the machine's speed
-# (a pessimistic estimate is never corrected, since the count it makes look dear is not verified again)
+# (a pessimistic estimate of the longest timed count is never corrected, since a count that looks dear is not verified
+# again; shorter counts are capped by longer ones)
 
 
 class CostModel:
@@ -480,8 +481,8 @@ class _Learned:
             key = (do_sample, batch_size, context)
             if key not in self.cost_models:
                 model = CostModel(self.num_drafts, self._nearest_costs(*key))
-                if _stored_name(*key) in self.stored:
-                    model.restore(self.stored[_stored_name(*key)])
+                if (name := _stored_name(*key)) in self.stored:
+                    model.restore(self.stored[name])
                 self.cost_models[key] = model
             return self.cost_models[key]
 
@@ -506,8 +507,8 @@ class _Learned:
         from, beside what other processes stored."""
         timed = {_stored_name(*key): model.state() for key, model in self.cost_models.items() if model.knows_plain_step}
         if timed:
-            gains = {_stored_name(do_sample, "gains"): gains for do_sample, gains in self.realized_gain.items()}
-            self.stored |= timed | gains
+            delivered = {_stored_name(do_sample, "gains"): gains for do_sample, gains in self.realized_gain.items()}
+            self.stored |= timed | delivered
             write_cache(self.path, read_cache(self.path) | {self.disk_key: self.stored})
 
 
