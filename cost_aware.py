@@ -223,9 +223,10 @@ class CostAwareDrafting:
     than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or more where a
     drafting round costs so much of a step that looking would take over `EXPLORATION_SHARE` of the time (a wide batch).
     Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
-    from the last: `learned_costs`), it drafts only those looks, and a new process starts looking as seldom as the last
-    had come to. A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted
-    where the run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
+    from the last: `learned_costs`), it drafts only those looks; where they lost clearly (`CLEAR_LOSS`), a process
+    arriving at that batch size, new or not, looks as seldom as the budget allows from its first round there.
+    A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
+    run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
     its tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
     Costs come from `cost_models(batch_size, context)` (`context_bucket`), which learn from the timings the runs report.
     Every decision depends on earlier rounds, the committed tokens and the distributions of the drafts up to the one
@@ -234,6 +235,7 @@ class CostAwareDrafting:
 
     MAX_SKIPPED = 16
     EXPLORATION_SHARE = 0.02
+    CLEAR_LOSS = 0.9  # a realized gain below this is a loss, not the swing of the timings behind it
 
     def __init__(
         self,
@@ -292,10 +294,12 @@ class CostAwareDrafting:
         costs = cost_model.costs()
         if self.expected is not None:  # at this batch size's costs, which the last round may have changed
             self.pays = self._drafting_pays(costs, len(sequences))
-        elif self.pays and not self._delivered(len(sequences)):
-            # before this process's first drafted round: where earlier processes' drafted rounds at this batch size
-            # turned out slower than plain steps, look again as seldom as those processes had come to
-            self.pays, self.wait = False, self._longest_wait(costs)
+        elif not self._delivered(len(sequences)):  # before this process's first drafted round
+            self.pays = False
+        if not self.pays and self._lost_by_margin(len(sequences)):
+            # drafted rounds at this batch size (this process's or earlier ones') lost clearly: look again as seldom
+            # as the exploration budget allows at once, not after 1, 2, 4, ... rounds
+            self.wait = max(self.wait, self._longest_wait(costs))
         drafts = self.pays or self.skipped >= self.wait
         looked_up = None if tree and drafts else self._look_up(sequences, limit, costs)
         if looked_up is None and drafts:
@@ -379,10 +383,18 @@ class CostAwareDrafting:
     def _delivered(self, batch_size: int) -> bool:
         """Whether drafted rounds at the batch size nearest `batch_size` (rows leave a batch) committed tokens at
         least as fast as plain steps, as they turned out; True before any was timed."""
+        return self._gain_near(batch_size) >= 1.0
+
+    def _lost_by_margin(self, batch_size: int) -> bool:
+        """Whether drafted rounds at the batch size nearest `batch_size` committed tokens slower than plain steps by
+        more than timings swing (`CLEAR_LOSS`)."""
+        return self._gain_near(batch_size) < self.CLEAR_LOSS
+
+    def _gain_near(self, batch_size: int) -> float:
         if not self.realized_gain:
-            return True
+            return 1.0
         nearest = min(self.realized_gain, key=lambda size: (abs(size - batch_size), -size))
-        return self.realized_gain[nearest] >= 1.0
+        return self.realized_gain[nearest]
 
     def accepted(
         self,

@@ -259,12 +259,13 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     assert not learned_costs(target, draft, do_sample=True)(1).knows_plain_step  # sampled rounds cost otherwise
     assert not learned_costs(target, draft)(2).knows_plain_step  # and so do other batch sizes
 
-    for gain, first_drafting_pass in ((1.5, 1), (0.5, None)):
+    for gain, first_drafting_pass in ((1.5, 1), (0.95, 2), (0.5, None)):
         stored[next(iter(stored))]["greedy gains"] = {"1": gain}  # what the last process's drafted rounds delivered
         path.write_text(json.dumps(stored))
         forget_draft_costs(target)
-        # where they paid, the first round, after the prefill, drafts: no plain step to time first; where they lost,
-        # the new process waits as long as the last had come to (more than these 12 rounds)
+        # where they paid, the first round, after the prefill, drafts: no plain step to time first; where they lost
+        # within the swing of timings, it looks after one plain step; where they lost clearly, the new process waits
+        # as long as the last had come to (more than these 12 rounds)
         assert _drafting_passes(target, draft, input_ids)[:1] == ([first_drafting_pass] if first_drafting_pass else [])
 
     monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
@@ -394,6 +395,25 @@ def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_
     drafting.drafted(0.2, batch_size=1)
     drafting.accepted(0, [0], seconds=STEEP.verify_seconds[0])  # a look that verified no draft measures no gain
     assert drafting.realized_gain[1] == 1.5
+
+
+def test_a_process_arriving_at_a_batch_size_where_drafting_lost_clearly_looks_seldom_from_its_first_round():
+    drafting = CostAwareDrafting(STEEP, realized_gain={1: 1.5, 8: 0.95, 12: 0.7})
+    sure = torch.full((1, 6), 0.9)
+    assert drafting.plan([torch.tensor([1, 2, 3])], limit=6) is None  # batch 1: drafting pays
+    drafting.drafted(0.2, batch_size=1)
+    assert drafting.length(sure, limit=6) > 0 and drafting.pays and drafting.wait == 1
+
+    def rounds_to_first_look(batch_size: int) -> int:
+        committed = [torch.tensor([1, 2, 3])] * batch_size
+        for round_index in range(100):
+            if drafting.plan(committed, limit=6) is None:
+                drafting.skipped = 0
+                return round_index
+        return 100
+
+    assert rounds_to_first_look(8) == 1  # a loss within the swing of timings: the next round looks
+    assert rounds_to_first_look(12) == CostAwareDrafting.MAX_SKIPPED  # a clear loss: the longest wait at once
 
 
 def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
