@@ -204,6 +204,14 @@ def main(argv: list[str]) -> None:
             flush=True,
         )
     prompts = {name: eval_prompts(name, args.limit) for name in eval_sets}
+    widest = max(setting.batch_size for setting in settings)
+    for name, items in prompts.items():
+        if len(items) < widest:
+            raise ValueError(
+                f"--batch-sizes {widest}: {name} has {len(items)} prompts"
+                f"{f' (--limit {args.limit})' if args.limit else ''}, so its batch would hold {len(items)} rows; pass "
+                f"--limit {widest} or more, or a smaller batch size."
+            )
     with background_load(args.background_load):
         report = bench_report(args, settings, methods, folders, prompts)
     if args.quality:
