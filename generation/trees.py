@@ -23,7 +23,7 @@ from ..drafting import DraftTree
 from ..head_domino import block_inputs, gru_cell, input_gates, token_ids
 from ..modeling_domino import DominoBlock
 
-CHILDREN_PER_NODE = 4  # each node offers its K likeliest next tokens as candidate children
+CHILDREN_PER_NODE = 8  # each node offers its K likeliest next tokens; 8 accepts 2-4% more than 4 at 8 nodes, 16 no more
 
 
 @torch.no_grad()

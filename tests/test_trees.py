@@ -27,7 +27,7 @@ from conftest import tiny_draft, tiny_target
 from speculative_helpers import random_prompts
 
 VOCAB_SIZE = 12
-TREE = DraftingOptions(draft_length="full", tree_nodes=8, prompt_lookup=0)
+TREE = DraftingOptions(draft_length="full", tree_nodes=12, prompt_lookup=0)
 
 
 def small_vocabulary_models(family: str):
@@ -227,7 +227,7 @@ def test_sampling_verifies_chains_and_says_why():
     target, draft = small_vocabulary_models("qwen3")
     draft.drafting_options = TREE
     prompt = random_prompts(1, seed=2, vocab_size=VOCAB_SIZE)[0]
-    with pytest.warns(UserWarning, match="tree_nodes=8: verifying chains instead, since sampling"):
+    with pytest.warns(UserWarning, match="tree_nodes=12: verifying chains instead, since sampling"):
         output = eight_tokens(target, draft, prompt, do_sample=True)
     assert output.tree_rounds == 0 and output.num_new_tokens == [8]
     with pytest.raises(ValueError, match="tree_nodes=-1 is invalid"):
