@@ -38,7 +38,7 @@ FLAT_COSTS = DraftCosts(verify_seconds=(1.0,) * 65, draft_seconds=0.01)
 
 
 def variants(tree_nodes: list[int]) -> dict[str, DraftingOptions]:
-    chains = {"chain": DraftingOptions(draft_length="full", prompt_lookup=0)}
+    chains = {"chain": DraftingOptions(draft_length="full", prompt_lookup=0, tree_nodes=0)}
     trees = {f"tree {n}": DraftingOptions(draft_length="full", prompt_lookup=0, tree_nodes=n) for n in tree_nodes}
     looked_up = {
         f"{name} + lookup": DraftingOptions(

@@ -93,4 +93,5 @@ def test_tree_acceptance_script_reports_trees_beside_chains_with_the_same_output
     for results in report["results"].values():
         assert set(results) == {"chain", "tree 8", "chain + lookup", "tree 8 + lookup"}
         assert all(result["identical_to_chain"] and result["tau"] >= 1.0 for result in results.values())
+        assert results["chain"]["branch_wins"] == results["chain + lookup"]["branch_wins"] == 0  # chains, not trees
     assert output.with_suffix(".md").read_text().count("| gsm-symbolic |") == 1
