@@ -221,7 +221,8 @@ class CostAwareDrafting:
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round with
     the recent confidences (an average that halves the weight of each older round) would commit more tokens per second
     than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or more where a
-    drafting round costs so much of a step that looking would take over `EXPLORATION_SHARE` of the time (a wide batch).
+    look (a drafting round and a verify pass) costs so much of a step that looking would take over `EXPLORATION_SHARE`
+    of the time (a wide batch).
     Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
     from the last: `learned_costs`), it drafts only those looks; where they lost clearly (`CLEAR_LOSS`), a process
     arriving at that batch size, new or not, looks as seldom as the budget allows from its first round there.
@@ -370,8 +371,11 @@ class CostAwareDrafting:
 
     def _longest_wait(self, costs: DraftCosts) -> int:
         """The most rounds skipped before looking again: `MAX_SKIPPED`, or more where looking would take over
-        `EXPLORATION_SHARE` of the time."""
-        looks = math.ceil(costs.draft_seconds / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
+        `EXPLORATION_SHARE` of the time. A look that verifies drafts costs its drafting round and at least a pass
+        over one draft beyond a plain step (in a wide batch the pass's extra rows cost more than the drafting)."""
+        verify = costs.verify_seconds
+        look_seconds = costs.draft_seconds + (verify[1] - verify[0] if len(verify) > 1 else 0.0)
+        looks = math.ceil(look_seconds / (self.EXPLORATION_SHARE * verify[0]))
         return max(self.MAX_SKIPPED, looks)
 
     def _drafting_pays(self, costs: DraftCosts, batch_size: int) -> bool:
