@@ -224,8 +224,9 @@ class CostAwareDrafting:
     look (a drafting round and a verify pass) costs so much of a step that looking would take over `EXPLORATION_SHARE`
     of the time (a wide batch).
     Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
-    from the last: `learned_costs`), it drafts only those looks; where they lost clearly (`CLEAR_LOSS`), a process
-    arriving at that batch size, new or not, looks as seldom as the budget allows from its first round there.
+    from the last: `learned_costs`), it drafts only those looks; where they lost clearly (`CLEAR_LOSS`) and a look costs
+    more than a plain step, a process arriving at that batch size, new or not, looks as seldom as the budget allows
+    from its first round there (a cheap look goes on looking soon: the loss may have been the text's, not the batch's).
     A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
     run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
     its tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
@@ -297,9 +298,11 @@ class CostAwareDrafting:
             self.pays = self._drafting_pays(costs, len(sequences))
         elif not self._delivered(len(sequences)):  # before this process's first drafted round
             self.pays = False
-        if not self.pays and self._lost_by_margin(len(sequences)):
-            # drafted rounds at this batch size (this process's or earlier ones') lost clearly: look again as seldom
-            # as the exploration budget allows at once, not after 1, 2, 4, ... rounds
+        dear_look = self._look_seconds(costs) > costs.verify_seconds[0]
+        if not self.pays and self._lost_by_margin(len(sequences)) and dear_look:
+            # drafted rounds at this batch size (this process's or earlier ones') lost clearly, and a look costs more
+            # than a plain step (a wide batch): look again as seldom as the exploration budget allows at once, not
+            # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
             self.wait = max(self.wait, self._longest_wait(costs))
         drafts = self.pays or self.skipped >= self.wait
         looked_up = None if tree and drafts else self._look_up(sequences, limit, costs)
@@ -371,12 +374,16 @@ class CostAwareDrafting:
 
     def _longest_wait(self, costs: DraftCosts) -> int:
         """The most rounds skipped before looking again: `MAX_SKIPPED`, or more where looking would take over
-        `EXPLORATION_SHARE` of the time. A look that verifies drafts costs its drafting round and at least a pass
-        over one draft beyond a plain step (in a wide batch the pass's extra rows cost more than the drafting)."""
-        verify = costs.verify_seconds
-        look_seconds = costs.draft_seconds + (verify[1] - verify[0] if len(verify) > 1 else 0.0)
-        looks = math.ceil(look_seconds / (self.EXPLORATION_SHARE * verify[0]))
+        `EXPLORATION_SHARE` of the time (`_look_seconds`)."""
+        looks = math.ceil(self._look_seconds(costs) / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
         return max(self.MAX_SKIPPED, looks)
+
+    @staticmethod
+    def _look_seconds(costs: DraftCosts) -> float:
+        """What a look that verifies drafts costs beyond a plain step: its drafting round and at least a pass over one
+        draft (in a wide batch the pass's extra rows cost more than the drafting)."""
+        verify = costs.verify_seconds
+        return costs.draft_seconds + (verify[1] - verify[0] if len(verify) > 1 else 0.0)
 
     def _drafting_pays(self, costs: DraftCosts, batch_size: int) -> bool:
         """Whether a round with the recent rounds' reach commits tokens faster than a plain step, and drafted rounds

@@ -10,6 +10,7 @@ from domino_spec.cache_domino import DominoContextCache
 from domino_spec.cost_aware import (
     CostAwareDrafting,
     CostModel,
+    FixedCosts,
     capped_by_longer,
     choose_draft_length,
     context_bucket,
@@ -399,7 +400,12 @@ def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_
 
 
 def test_a_process_arriving_at_a_batch_size_where_drafting_lost_clearly_looks_seldom_from_its_first_round():
-    drafting = CostAwareDrafting(STEEP, realized_gain={1: 1.5, 8: 0.95, 12: 0.7})
+    wide = FixedCosts(DraftCosts(verify_seconds=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0), draft_seconds=0.6))
+    narrow = FixedCosts(STEEP)
+    drafting = CostAwareDrafting(
+        lambda batch_size, context: wide if batch_size >= 8 else narrow,
+        realized_gain={1: 1.5, 2: 0.7, 8: 0.95, 12: 0.7},
+    )
     sure = torch.full((1, 6), 0.9)
     assert drafting.plan([torch.tensor([1, 2, 3])], limit=6) is None  # batch 1: drafting pays
     drafting.drafted(0.2, batch_size=1)
@@ -413,8 +419,9 @@ def test_a_process_arriving_at_a_batch_size_where_drafting_lost_clearly_looks_se
                 return round_index
         return 100
 
+    assert rounds_to_first_look(2) == 1  # a clear loss where a look costs 0.3 of a step: the next round looks
     assert rounds_to_first_look(8) == 1  # a loss within the swing of timings: the next round looks
-    assert rounds_to_first_look(12) == CostAwareDrafting.MAX_SKIPPED  # a clear loss: the longest wait at once
+    assert rounds_to_first_look(12) == 80  # a clear loss where a look costs 1.6 steps: the longest wait at once
 
 
 def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
