@@ -399,7 +399,7 @@ def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_
     assert drafting.realized_gain[1] == 1.5
 
 
-def test_a_process_arriving_at_a_batch_size_where_drafting_lost_clearly_looks_seldom_from_its_first_round():
+def test_a_process_arriving_where_drafting_lost_clearly_looks_seldom_from_its_first_round_where_a_look_is_dear():
     wide = FixedCosts(DraftCosts(verify_seconds=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0), draft_seconds=0.6))
     narrow = FixedCosts(STEEP)
     drafting = CostAwareDrafting(
