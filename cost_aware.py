@@ -298,8 +298,7 @@ class CostAwareDrafting:
             self.pays = self._drafting_pays(costs, len(sequences))
         elif not self._delivered(len(sequences)):  # before this process's first drafted round
             self.pays = False
-        dear_look = self._look_seconds(costs) > costs.verify_seconds[0]
-        if not self.pays and self._lost_by_margin(len(sequences)) and dear_look:
+        if not self.pays and self._lost_by_margin(len(sequences)) and self._look_steps(costs) > 1:
             # drafted rounds at this batch size (this process's or earlier ones') lost clearly, and a look costs more
             # than a plain step (a wide batch): look again as seldom as the exploration budget allows at once, not
             # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
@@ -374,16 +373,15 @@ class CostAwareDrafting:
 
     def _longest_wait(self, costs: DraftCosts) -> int:
         """The most rounds skipped before looking again: `MAX_SKIPPED`, or more where looking would take over
-        `EXPLORATION_SHARE` of the time (`_look_seconds`)."""
-        looks = math.ceil(self._look_seconds(costs) / (self.EXPLORATION_SHARE * costs.verify_seconds[0]))
-        return max(self.MAX_SKIPPED, looks)
+        `EXPLORATION_SHARE` of the time (`_look_steps`)."""
+        return max(self.MAX_SKIPPED, math.ceil(self._look_steps(costs) / self.EXPLORATION_SHARE))
 
     @staticmethod
-    def _look_seconds(costs: DraftCosts) -> float:
-        """What a look that verifies drafts costs beyond a plain step: its drafting round and at least a pass over one
-        draft (in a wide batch the pass's extra rows cost more than the drafting)."""
+    def _look_steps(costs: DraftCosts) -> float:
+        """What a look that verifies drafts costs beyond a plain step, in plain steps: its drafting round and at least
+        a pass over one draft (in a wide batch the pass's extra rows cost more than the drafting)."""
         verify = costs.verify_seconds
-        return costs.draft_seconds + (verify[1] - verify[0] if len(verify) > 1 else 0.0)
+        return (costs.draft_seconds + (verify[1] - verify[0] if len(verify) > 1 else 0.0)) / verify[0]
 
     def _drafting_pays(self, costs: DraftCosts, batch_size: int) -> bool:
         """Whether a round with the recent rounds' reach commits tokens faster than a plain step, and drafted rounds
