@@ -105,8 +105,12 @@ PRIOR_VERIFY_STEPS_PER_DRAFT = 0.1
 PRIOR_DRAFT_STEPS = 0.25
 NEW_TIMING_WEIGHT = 0.3  # each timing's weight in the running estimate: recent rounds count most (machine load moves)
 MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate: a stall is not the machine's speed
-# (a pessimistic estimate of the longest timed count is never corrected, since a count that looks dear is not verified
-# again; shorter counts are capped by longer ones)
+# A count that looks dear is not verified again, so nothing would correct a pessimistic estimate of it (one timed in a
+# stall, or in an earlier process under load: held on disk, it would last). Shorter counts are capped by longer ones;
+# while a longer count goes untimed for more than STALE_AFTER timings (or was timed by an earlier process), each timing
+# of a shorter pass with drafts moves its excess over what the prior shape predicts from that one by STALE_RELAXATION.
+STALE_AFTER = 16
+STALE_RELAXATION = 0.05
 
 
 class CostModel:
@@ -114,13 +118,17 @@ class CostModel:
     rounds (all but the first, which builds the draft's kernels for the batch's shapes), so no call pays an up-front
     measurement: a running average of the timings of each draft count, capped by every longer count's (a pass never
     costs more than a longer one: a count that looked dear after a stall, or in an earlier process, and so is not
-    verified again, is corrected by the counts that are), and where a count was never timed the prior shape scaled to
+    verified again, is corrected by the counts that are), drifting, where it was not timed for a while and is dearer
+    than the prior shape predicts from the shorter passes timed meanwhile, toward that prediction (`STALE_RELAXATION`:
+    a longer pass that once looked dear is tried again), and where a count was never timed the prior shape scaled to
     the nearest timed count. The prior shape is `prior`'s (the costs learned at another batch size), else
     `PRIOR_VERIFY_STEPS_PER_DRAFT` and `PRIOR_DRAFT_STEPS`. Every decision weighs ratios of costs, so before any timing
     the prior alone decides."""
 
     def __init__(self, num_drafts: int, prior: DraftCosts | None = None):
         self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
+        self.timings = 0
+        self.last_timed: list[int | None] = [None] * (num_drafts + 1)  # per count: `timings` when last timed here
         self.draft_seconds: float | None = None
         self.draft_rounds = 0
         if prior is None:
@@ -132,6 +140,19 @@ class CostModel:
         if previous is None and self.knows_plain_step:  # a first timing, weighed against what the others predict
             seconds = min(seconds, MAX_TIMING_JUMP * self.costs().verify_seconds[num_drafts])
         self.verify_seconds[num_drafts] = _average(previous, seconds)
+        self.timings += 1
+        self.last_timed[num_drafts] = self.timings
+        if num_drafts > 0:  # plain steps say little of how a pass grows with drafts (steeply, in a wide batch)
+            self._relax_stale_longer(num_drafts)
+
+    def _relax_stale_longer(self, timed: int) -> None:
+        scale = self.verify_seconds[timed] / self.prior.verify_seconds[timed]
+        for longer in range(timed + 1, len(self.verify_seconds)):
+            estimate, predicted = self.verify_seconds[longer], scale * self.prior.verify_seconds[longer]
+            last_timed = self.last_timed[longer]
+            stale = last_timed is None or self.timings - last_timed > STALE_AFTER
+            if estimate is not None and estimate > predicted and stale:
+                self.verify_seconds[longer] = estimate - STALE_RELAXATION * (estimate - predicted)
 
     def observe_draft(self, seconds: float) -> None:
         self.draft_rounds += 1

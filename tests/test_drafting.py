@@ -168,6 +168,26 @@ def test_a_count_that_looked_dear_is_corrected_by_the_longer_passes_timed_since(
     assert costs[1:] == pytest.approx([stale.verify_seconds[4]] * 4) and costs[1] < 0.075  # the short ones too
 
 
+def test_a_long_pass_that_looked_dear_in_an_earlier_process_is_tried_again_once_shorter_passes_say_it_is_cheap():
+    model = CostModel(num_drafts=16)  # an earlier process timed passes over 10+ nodes under load: 2.6 plain steps
+    model.restore({"verify_seconds": [0.060] + [0.070] * 9 + [0.155] * 7, "draft": 0.015})
+    confident = torch.full((1, 16), 0.97)  # a tree whose deeper nodes are likely
+    assert choose_draft_length(confident, model.costs(), look_ahead=True) == 9
+    for _ in range(40):  # this process times plain steps only: they say nothing of passes with drafts
+        model.observe_verify(0, 0.060)
+    assert model.verify_seconds[10:] == [0.155] * 7
+    for _ in range(40):  # and passes over 9 nodes, cheap: the untimed longer passes drift toward the prior shape
+        model.observe_verify(9, 0.066)
+    predicted = [0.066 / 1.9 * (1.0 + 0.1 * count) for count in range(10, 17)]
+    assert all(p < estimate < 0.155 for p, estimate in zip(predicted, model.verify_seconds[10:]))
+    assert choose_draft_length(confident, model.costs(), look_ahead=True) == 16
+    model.observe_verify(16, 0.150)  # tried: dear after all, and a count timed lately is its own timings only
+    dear = model.verify_seconds[16]
+    for _ in range(10):
+        model.observe_verify(9, 0.066)
+    assert model.verify_seconds[16] == dear
+
+
 def test_a_call_goes_on_from_the_acceptance_the_calls_before_it_learned():
     target = tiny_target("qwen3")
     draft = tiny_draft(target, block_size=6)
