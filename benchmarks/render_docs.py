@@ -168,9 +168,10 @@ def matrix_section(report: dict) -> str:
         f"{versions['transformers']}. B: prompts per call. Warm: after a warm-up. Cold: a fresh process's first call "
         "(its first batch), `optimize_for_cpu` and every set-up of the call included, model loading excluded."
         + (
-            f" Every batch and every first call ran {config['repeats']} times per method, in turn, the order "
-            "reversed every other time, their times summed."
-            if config.get("repeats", 1) > 1
+            f" Every batch ran {config['repeats']} times and every first call in "
+            f"{config.get('cold_repeats', config['repeats'])} processes per method, in turn, the order reversed every "
+            "other time, their times summed."
+            if max(config.get("repeats", 1), config.get("cold_repeats", 1)) > 1
             else ""
         )
     )

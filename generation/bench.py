@@ -148,6 +148,7 @@ class MethodRun:
     identical: int | None = 0  # None: sampled, nothing to compare
     prompts: int = 0
     outputs: list[list[int]] = field(default_factory=list)  # the new tokens of each prompt
+    process_seconds: list[float] = field(default_factory=list)  # a cold cell's: each fresh process's first call
 
     def record_outputs(self, rows: list[list[int]], expected: list[list[int]] | None) -> None:
         """Count a batch's outputs, and those equal to `expected` (the reference's, greedy; None when sampled)."""
@@ -209,6 +210,7 @@ class MethodRun:
             "identical_fraction": (
                 self.identical / self.prompts if self.prompts and self.identical is not None else None
             ),
+            "process_seconds": self.process_seconds or None,
         }
 
 

@@ -2,7 +2,7 @@
 
     domino-spec bench [--target DIR] [--domino DIR] [--eval-sets ...] [--limit N] [--quality [--allow-code-execution]]
                       [--batch-sizes 1,4,12] [--temperature 0,0.7 [--top-p P] [--top-k K] [--seed S]] [--cold]
-                      [--background-load] [--repeats N]
+                      [--background-load] [--repeats N] [--cold-repeats N]
 
 The settings matrix: every batch size x every temperature (0: greedy), each cell a speedup over plain decoding in
 the same engine and setting, with tau; `--cold` adds each method's first call in a fresh process beside the warm
@@ -102,6 +102,14 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         help="decode every batch N times per method (and with --cold, start N fresh processes per method), in turn, "
         "the order reversed every other time: more samples of each cell where one call is short next to the "
         "machine's noise (a wide batch is a single call per set)",
+    )
+    parser.add_argument(
+        "--cold-repeats",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --cold, start N fresh processes per method (default: --repeats): a process's speed varies more "
+        "than a call's within one process",
     )
     parser.add_argument(
         "--background-load",
@@ -266,9 +274,13 @@ def bench_report(
             args.max_new_tokens,
             eos_token_ids(target, tokenizer),
             prepared=optimization is not None,
-            repeats=args.repeats,
+            repeats=args.repeats if args.cold_repeats is None else args.cold_repeats,
         )
     for row in report["results"]:
         row["background_load"] = args.background_load
-    report["config"].update(cold=args.cold, background_load=args.background_load)
+    report["config"].update(
+        cold=args.cold,
+        cold_repeats=args.repeats if args.cold_repeats is None else args.cold_repeats,
+        background_load=args.background_load,
+    )
     return report

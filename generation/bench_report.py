@@ -155,7 +155,11 @@ def header(report: dict) -> str:
     decoding = "Greedy" if config.get("greedy", True) else "Greedy and sampled"
     load = ", beside a low-priority CPU-bound process (--background-load)" if config.get("background_load") else ""
     repeats = config.get("repeats", 1)
-    load += f", every batch (and cold call) decoded {repeats} times per method, in turn" if repeats > 1 else ""
+    cold_repeats = config.get("cold_repeats", repeats) if config.get("cold") else repeats
+    if cold_repeats != repeats:
+        load += f", every batch decoded {repeats} times and every cold call run in {cold_repeats} processes per method"
+    elif repeats > 1:
+        load += f", every batch (and cold call) decoded {repeats} times per method, in turn"
     return (
         f"{decoding}, {config['dtype']}, max_new_tokens={config['max_new_tokens']}, prompts per set: "
         f"{config['prompts']}, {'with' if config.get('cpu_optimization') else 'without'} `optimize_for_cpu`{load}. "

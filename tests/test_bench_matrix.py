@@ -205,6 +205,8 @@ def test_bench_command_measures_repeated_cold_first_calls_beside_the_warm_ones_u
         "--draft-length",
         "full",
         "--repeats",
+        "3",
+        "--cold-repeats",
         "2",
         "--output",
         str(tmp_path),
@@ -213,7 +215,7 @@ def test_bench_command_measures_repeated_cold_first_calls_beside_the_warm_ones_u
     loads = [process for process in started if bench_command.BUSY_LOOP in process.args]
     assert len(loads) == 1 and loads[0].poll() is not None  # started by the bench, gone after it
     cold_runs = [process for process in started if "domino_spec.generation.cold_start" in process.args]
-    assert len(cold_runs) == 10  # a fresh process per cold method, setting and repeat
+    assert len(cold_runs) == 10  # a fresh process per cold method, setting and cold repeat
     report = json.loads((tmp_path / "bench_results.json").read_text())
     cells = {(row["method"], row["batch_size"], row["timing"]): row for row in report["results"]}
     expected = {(method, 1, timing) for method in ("plain", "plain-native", "domino") for timing in ("warm", "cold")}
@@ -221,13 +223,20 @@ def test_bench_command_measures_repeated_cold_first_calls_beside_the_warm_ones_u
     assert set(cells) == expected
     for (_method, batch_size, timing), row in cells.items():
         assert row["background_load"] is True and row["seconds"] > 0
-        # each batch twice; cold: the first batch
-        assert row["identical"] == row["prompts"] == 2 * (batch_size if timing == "cold" else 2)
+        # each batch three times; cold: the first batch, in two processes, each timed
+        assert row["identical"] == row["prompts"] == (2 * batch_size if timing == "cold" else 3 * 2)
+        if timing == "cold":
+            assert len(row["process_seconds"]) == 2
+            assert sum(row["process_seconds"]) == pytest.approx(row["seconds"], abs=0.002)
+        else:
+            assert row["process_seconds"] is None
         assert (row["prefill_seconds"] is None) == (row["method"] == "plain")  # transformers' generate: not split
         assert row["prefill_seconds"] is None or 0 < row["prefill_seconds"] < row["seconds"]
     assert report["config"]["cold"] is True and report["config"]["background_load"] is True
+    assert report["config"]["repeats"] == 3 and report["config"]["cold_repeats"] == 2
     assert (
-        report["config"]["repeats"] == 2 and "decoded 2 times per method" in (tmp_path / "bench_results.md").read_text()
+        "every batch decoded 3 times and every cold call run in 2 processes"
+        in (tmp_path / "bench_results.md").read_text()
     )
     assert (tmp_path / "bench_matrix.png").exists()
 
