@@ -2,8 +2,8 @@
 
     python benchmarks/tree_acceptance.py --output benchmarks/results/tree_acceptance_smollm2-135m.json
 
-Greedy decoding of the shipped draft in the native engine, per evaluation set (the bench's, and held-out reasoning
-prompts: reasoning-gym tasks no draft trained on), in four ways:
+Greedy decoding of a draft (`--draft`, the shipped one by default) in the native engine, per evaluation set (the
+bench's, and held-out reasoning prompts: reasoning-gym tasks no draft trained on), in four ways:
 - `chain`: every round verifies the whole block (`draft_length="full"`, prompt lookup off), the draft alone;
 - `tree N`: a tree of N nodes instead (`tree_nodes=N`), for each N in `--tree-nodes`;
 - `chain + lookup` and `tree N + lookup`: the same with prompt lookup, under costs that make every round draft and
@@ -71,11 +71,18 @@ def measure(target, draft, prompts: list[list[int]], options: DraftingOptions, m
     }
 
 
+def draft_folder(path: str) -> str:
+    """`path` relative to the repository where it lies in it (the shipped draft: `checkpoints/...`)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
+
+
 def markdown(report: dict) -> str:
     settings = report["settings"]
     names = list(next(iter(report["results"].values())))
     lines = [
-        f"# Trees against chains: tau of the shipped draft ({settings['target']}), greedy, the first "
+        f"# Trees against chains: tau of the draft in `{draft_folder(settings['draft'])}` ({settings['target']}), "
+        "greedy, the first "
         f"{settings['limit']} prompts of each set, at most {settings['max_new_tokens']} new tokens",
         "",
         f"torch {report['versions']['torch']}, transformers {report['versions']['transformers']}. Each cell: tau "
