@@ -148,6 +148,7 @@ def settings_of(args: argparse.Namespace) -> list[Setting]:
         ("--max-new-tokens", args.max_new_tokens),
         ("--limit", args.limit),
         ("--repeats", args.repeats),
+        ("--cold-repeats", args.cold_repeats),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be at least 1.")
@@ -261,6 +262,7 @@ def bench_report(
         settings=settings,
         repeats=args.repeats,
     )
+    cold_repeats = args.repeats if args.cold_repeats is None else args.cold_repeats
     if args.cold:
         measured = report["config"]["methods"]  # with the baselines run_bench added
         prompt_ids = tokenized_prompts(tokenizer, prompts)
@@ -274,13 +276,9 @@ def bench_report(
             args.max_new_tokens,
             eos_token_ids(target, tokenizer),
             prepared=optimization is not None,
-            repeats=args.repeats if args.cold_repeats is None else args.cold_repeats,
+            repeats=cold_repeats,
         )
     for row in report["results"]:
         row["background_load"] = args.background_load
-    report["config"].update(
-        cold=args.cold,
-        cold_repeats=args.repeats if args.cold_repeats is None else args.cold_repeats,
-        background_load=args.background_load,
-    )
+    report["config"].update(cold=args.cold, cold_repeats=cold_repeats, background_load=args.background_load)
     return report

@@ -250,6 +250,7 @@ def test_bench_command_measures_repeated_cold_first_calls_beside_the_warm_ones_u
         (["--top-p", "0.9"], "--top-p and --top-k apply to sampling: add a sampling temperature"),
         (["--temperature", "0.7", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
         (["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+        (["--cold", "--cold-repeats", "0"], "--cold-repeats 0: must be at least 1"),
         pytest.param(
             ["--eval-sets", "mt-bench", "--limit", "8", "--batch-sizes", "1,12"],
             "--batch-sizes 12: mt-bench has 8 prompts (--limit 8), so its batch would hold 8 rows",
