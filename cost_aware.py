@@ -13,7 +13,8 @@ The costs are learned from the process's own rounds as it decodes (`CostModel`),
 processes on this machine learned with the same models (`draft_costs_path`), else from a prior: no call measures
 anything up front.
 Where the context's last tokens occurred before, the tokens that followed them there cost no drafting at all
-(`prompt_lookup`); a round verifies them instead of drafts where the run's earlier such rounds say that pays more.
+(`prompt_lookup`); a round verifies them instead of drafts where the run's earlier repeats say that pays more: those
+verified, and those passed over, checked against the tokens committed after them.
 
 Part of the package, not of a checkpoint: a checkpoint's `generate(assistant_model=draft)` uses it where the package
 is installed (`generation_domino.py`), and verifies whole blocks without it.
@@ -250,7 +251,8 @@ class CostAwareDrafting:
     from its first round there (a cheap look goes on looking soon: the loss may have been the text's, not the batch's).
     A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
     run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
-    its tokens are accepted is estimated per matched n-gram size and position from the run's earlier looked-up rounds.
+    its tokens are accepted is estimated per matched n-gram size and position from the run's earlier repeats, verified
+    or checked against the tokens committed after them.
     Costs come from `cost_models(batch_size, context)` (`context_bucket`), which learn from the timings the runs report.
     Every decision depends on earlier rounds, the committed tokens and the distributions of the drafts up to the one
     decided, so sampling stays exact.
@@ -293,7 +295,9 @@ class CostAwareDrafting:
         self.lookup_accepted = torch.ones(prompt_lookup, num_drafts, dtype=torch.float64)
         self.lookup_reached = torch.full((prompt_lookup, num_drafts), 2.0, dtype=torch.float64)
         self.looked_up: list[int] = []  # the n-gram size of each row of the last looked-up round, empty after drafting
-        self.branches: list[tuple[int, torch.Tensor]] = []  # each row's (n-gram size, tokens) of a tree round
+        # Each row's (n-gram size, tokens) where the last round did not verify them alone: a tree's looked-up branch,
+        # or the repeats a chain or a plain step passed over.
+        self.branches: list[tuple[int, torch.Tensor]] = []
 
     def _cost_model(self, batch_size: int) -> CostModel:
         return self.cost_models(batch_size, self.context)
@@ -325,31 +329,28 @@ class CostAwareDrafting:
             # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
             self.wait = max(self.wait, self._longest_wait(costs))
         drafts = self.pays or self.skipped >= self.wait
-        looked_up = None if tree and drafts else self._look_up(sequences, limit, costs)
+        if tree and drafts:
+            return None  # the tree takes the looked-up tokens as a branch (`lookup_branch`)
+        looked_up = self._look_up(sequences, limit, costs)
         if looked_up is None and drafts:
             return None
         self.skipped += 1
         return looked_up if looked_up is not None else sequences[0].new_zeros(len(sequences), 0)
 
     def _look_up(self, sequences: list[torch.Tensor], limit: int, costs: DraftCosts) -> torch.Tensor | None:
-        self.looked_up = []
+        """The looked-up tokens `[B, k]` to verify where they pay, else None. Where a round verifies none, how far
+        they would have been accepted is learned from the tokens it commits (`accepted`), so a process learns that a
+        text's repeats miss without verifying them."""
+        self.looked_up, self.branches = [], []
         if self.max_ngram_size == 0 or limit == 0:
             return None
-        # Fewer tokens never pay more than `limit` of them: where no n-gram size's would, no row is searched.
-        if self._lookup_length(self.max_ngram_size, limit, costs) == 0 and not any(
-            self._lookup_length(size, limit, costs) for size in range(1, self.max_ngram_size)
-        ):
+        found = [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
+        lengths = [self._lookup_length(size, tokens.shape[0], costs) if size else 0 for size, tokens in found]
+        if min(lengths) == 0:
+            self.branches = found
             return None
-        found, lengths = [], []
-        for sequence in sequences:
-            tokens, size = prompt_lookup(sequence, self.max_ngram_size, limit)
-            length = self._lookup_length(size, tokens.shape[0], costs) if size else 0
-            if length == 0:
-                return None
-            found.append((tokens, size))
-            lengths.append(length)
-        self.looked_up = [size for _, size in found]
-        return torch.stack([tokens[: min(lengths)] for tokens, _ in found])
+        self.looked_up = [size for size, _ in found]
+        return torch.stack([tokens[: min(lengths)] for _, tokens in found])
 
     def lookup_branch(self, sequences: list[torch.Tensor], limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For a tree round: each row's looked-up tokens `[L]` (`prompt_lookup`; L <= `limit`, 0 where none) and
@@ -434,8 +435,8 @@ class CostAwareDrafting:
         committed: torch.Tensor | None = None,
     ) -> None:
         """After verifying: how many of the `num_verified` tokens each row accepted, and, if timed, the seconds the
-        verify pass (with acceptance) took. After a tree round with looked-up branches, `committed` `[B, >= k + 1]`
-        holds each row's accepted tokens, then the target's."""
+        verify pass (with acceptance) took. `committed` `[B, >= k + 1]`, each row's accepted tokens then the target's,
+        says how far the looked-up tokens the round did not verify alone would have been accepted."""
         if seconds is not None:
             batch_size = len(num_accepted)
             cost_model = self._cost_model(batch_size)

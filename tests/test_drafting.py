@@ -510,6 +510,23 @@ def test_looked_up_tokens_are_verified_while_they_match_and_each_ngram_size_lear
     assert CostAwareDrafting(STEEP).plan([repeat_of_two], limit=4) is None  # prompt lookup off
 
 
+def test_repeats_a_round_passed_over_are_checked_against_the_tokens_it_committed():
+    """Rounds that verify no looked-up tokens (a row without a repeat makes the batch draft) still learn how far each
+    row's repeat would have been accepted, so a text whose repeats miss is never verified against them."""
+    repeat_of_two, no_repeat = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2]), torch.tensor([1, 2, 3])
+    missing, matching = CostAwareDrafting(STEEP, prompt_lookup=2), CostAwareDrafting(STEEP, prompt_lookup=2)
+    for drafting, committed in ((missing, [9, 9, 9]), (matching, [3, 4, 5])):
+        assert drafting.plan([repeat_of_two], limit=4) is not None  # the prior: a repeat's first token pays
+        drafting.forget_round()
+        for _ in range(12):
+            assert drafting.plan([repeat_of_two, no_repeat], limit=4) is None
+            drafting.accepted(2, [2, 2], committed=torch.tensor([committed, [7, 7, 7]]))
+    assert missing.plan([repeat_of_two], limit=4) is None
+    looked_up = matching.plan([repeat_of_two], limit=4)
+    assert looked_up is not None and looked_up[0].tolist() == [3, 4, 5, 6][: looked_up.shape[1]]
+    assert looked_up.shape[1] >= 3
+
+
 def test_greedy_decoding_with_looked_up_rounds_is_lossless():
     """Rows that loop (as random tiny targets do) are verified against their own earlier tokens; a left-padded batch
     with rows stopping at EOS inside a block, through both paths, equals plain greedy decoding."""
