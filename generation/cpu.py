@@ -57,23 +57,30 @@ KERNELS: dict[str, tuple[Callable, Callable[[torch.Tensor], torch.Tensor] | None
 
 
 class PlannedLinear:
-    """An `nn.Linear`'s forward that runs each row count with the kernel its plan picked."""
+    """An `nn.Linear`'s forward that runs each row count with the kernel its plan picked. The weight layouts the plan
+    needs are built now, or with `build_now=False` at its first planned call."""
 
-    def __init__(self, module: nn.Linear, plan: dict[int, str]):
+    def __init__(self, module: nn.Linear, plan: dict[int, str], build_now: bool = True):
         self.plan = plan  # row count (from TUNED_ROW_COUNTS) -> kernel name
         self.layouts = {"weight": module.weight, "bias": module.bias}
-        for name in set(plan.values()):
-            build = KERNELS[name][1]
-            if build is not None:
-                self.layouts[name] = build(module.weight.detach())
+        self.built = False
+        if build_now:
+            self.build_layouts()
         # row count -> kernel, for every count up to the last tuned one
         self.by_rows = [KERNELS[self._kernel_name(rows)][0] for rows in range(TUNED_ROW_COUNTS[-1] + 1)]
+
+    def build_layouts(self) -> None:
+        for name in set(self.plan.values()):
+            build = KERNELS[name][1]
+            if build is not None:
+                self.layouts[name] = build(self.layouts["weight"].detach())
+        self.built = True
 
     def _kernel_name(self, rows: int) -> str:
         return self.plan[next(count for count in TUNED_ROW_COUNTS if count >= max(rows, 1))]
 
     def extra_bytes(self) -> int:
-        """Memory the extra layouts take (oneDNN's blocked layout reports its logical size)."""
+        """Memory the extra layouts built so far take (oneDNN's blocked layout reports its logical size)."""
         extra = (t for name, t in self.layouts.items() if name not in ("weight", "bias"))
         return sum(t.numel() * t.element_size() for t in extra)
 
@@ -81,6 +88,8 @@ class PlannedLinear:
         rows = x.numel() // x.shape[-1]
         if rows >= len(self.by_rows) or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return F.linear(x, self.layouts["weight"], self.layouts["bias"])
+        if not self.built:
+            self.build_layouts()
         return self.by_rows[rows](x, self.layouts)
 
 
@@ -201,6 +210,8 @@ def optimize_for_cpu(
     after this call is not seen by the extra layouts (`restore()` first). Costs an extra copy of the linear weights
     in the winning layouts (`extra_bytes`), and the timing (seconds to tens of seconds) of every weight shape that
     `plan_cache` (a JSON file; "default": `plan_cache_path()`; None: none) holds no plan of for this machine.
+    The target's layouts are built now, since the cost-aware draft length times its passes from the first step on;
+    a draft's at its first drafting round (which that does not time), so a process that never drafts pays nothing.
 
         with optimize_for_cpu(target, draft):
             out = speculative_generate(target, draft, input_ids)
@@ -220,13 +231,14 @@ def optimize_for_cpu(
     stored = _read_plans(path) if path else {}
     plans, planned, timed = {}, {}, False
     machine = machine_key()
+    targets_own = set(_plain_linears([target])) if target is not None else set()
     for shape, modules in by_shape.items():
         key = _plan_key(machine, shape)
         if set(stored.get(key, {})) != set(TUNED_ROW_COUNTS) or not set(stored[key].values()) <= set(KERNELS):
             stored[key], timed = plan_shape(modules), True
         plans[shape] = stored[key]
         for module in modules:
-            module.forward = planned[module] = PlannedLinear(module, plans[shape])
+            module.forward = planned[module] = PlannedLinear(module, plans[shape], build_now=module in targets_own)
         if verbose:
             print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
     if path and timed:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from domino_spec import DraftingOptions
 from domino_spec.generation import optimize_for_cpu, speculative_generate
 from domino_spec.generation.cpu import (
     TUNED_ROW_COUNTS,
@@ -50,6 +51,26 @@ def test_optimized_models_give_eager_logits_and_decode_losslessly(target):
             assert not _planned(target) and not _planned(draft)
         assert len(_planned(target)) == sum(type(m) is nn.Linear for m in target.modules())
     assert not _planned(target) and not _planned(draft)  # restored on leaving the block
+
+
+@torch.no_grad()
+def test_a_drafts_layouts_are_built_at_its_first_call_and_the_targets_at_once(target):
+    """The cost-aware draft length times the target's passes from the first step, so its layouts are ready before;
+    a process whose draft never drafts pays nothing for the draft's."""
+    draft = tiny_draft(target)
+    optimization = optimize_for_cpu(target, draft)
+    assert all(module.forward.built for module in _planned(target))
+    assert not any(module.forward.built for module in _planned(draft))
+    before = optimization.extra_bytes
+    input_ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    output = speculative_generate(
+        target, draft, input_ids, max_new_tokens=12, eos_token_id=[], options=DraftingOptions(draft_length="full")
+    )
+    assert torch.equal(output.sequences, expected)
+    assert any(module.forward.built for module in _planned(draft))  # those drafting called
+    assert optimization.extra_bytes >= before
+    optimization.restore()
 
 
 def test_gradients_take_the_eager_path(target):
