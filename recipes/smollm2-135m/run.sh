@@ -25,6 +25,8 @@ FEATURES=$RUN/features_$NAME
 [ -f $DATA ] || python $RECIPE/pieces.py build --prompts $RUN/prompts.jsonl --output $DATA
 domino-spec generate-data --target smollm2-135m --prompts $RUN/held_out_prompts.jsonl --output $RUN/held_out.jsonl \
     --max-new-tokens 256 --batch-size 48 --limit 100
+# The target's features of every conversation, one prefill each: ~11 minutes per 1,000 conversations on a 2-core CPU
+# (the target's peak there), so a session that regenerates and caches many pieces may not also train and bench.
 domino-spec cache-features --config $RECIPE/train.yaml --data $DATA --output $FEATURES
 # The shipped drafts, with and without the Domino head (same data, steps and seed), go on training at once: their
 # weights, a fresh optimizer and a short warm-up, their curves counting steps, examples and CPU-hours on from those
