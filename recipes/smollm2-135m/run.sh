@@ -3,14 +3,14 @@
 # Rerun it after an interruption: regeneration, feature caching, training and scoring resume; finished steps are kept.
 # The costly state lives in the repository: the regenerated conversations (recipes/smollm2-135m/data, committed piece
 # by piece as each lands) and the shipped drafts. Each session regenerates the pieces of 250 prompts up to PIECES
-# (default 24: the 4,000 prompts the shipped drafts first trained on, then 2,000 new ones), then trains the shipped
+# (default 28: the 4,000 prompts the shipped drafts first trained on, then 3,000 new ones), then trains the shipped
 # drafts STEPS more steps (default 2500) on every committed piece. A session that ends first keeps its finished
 # pieces, and the next goes on from them. COMMIT=0 leaves the new pieces and drafts uncommitted.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RECIPE=recipes/smollm2-135m
 RUN=runs/smollm2
-PIECES=${PIECES:-24}
+PIECES=${PIECES:-28}
 STEPS=${STEPS:-2500}
 COMMIT=${COMMIT:-1}
 mkdir -p $RUN
