@@ -344,7 +344,7 @@ class CostAwareDrafting:
         self.looked_up, self.branches = [], []
         if self.max_ngram_size == 0 or limit == 0:
             return None
-        found = [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
+        found = self._repeats(sequences, limit)
         lengths = [self._lookup_length(size, tokens.shape[0], costs) if size else 0 for size, tokens in found]
         if min(lengths) == 0:
             self.branches = found
@@ -356,8 +356,11 @@ class CostAwareDrafting:
         """For a tree round: each row's looked-up tokens `[L]` (`prompt_lookup`; L <= `limit`, 0 where none) and
         the probability `[L]` of accepting each with those before it, from the run's earlier looked-up tokens. How
         far the branch would have been accepted is learned from the committed tokens (`accepted`)."""
-        self.branches = [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
+        self.branches = self._repeats(sequences, limit)
         return [(tokens, self._lookup_reach(size, tokens.shape[0])) for size, tokens in self.branches]
+
+    def _repeats(self, sequences: list[torch.Tensor], limit: int) -> list[tuple[int, torch.Tensor]]:
+        return [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
 
     def drafted(self, seconds: float, batch_size: int) -> None:
         """A drafting round of `batch_size` rows took `seconds`."""

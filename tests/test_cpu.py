@@ -68,8 +68,10 @@ def test_a_drafts_layouts_are_built_at_its_first_call_and_the_targets_at_once(ta
         target, draft, input_ids, max_new_tokens=12, eos_token_id=[], options=DraftingOptions(draft_length="full")
     )
     assert torch.equal(output.sequences, expected)
-    assert any(module.forward.built for module in _planned(draft))  # those drafting called
-    assert optimization.extra_bytes >= before
+    built = [module.forward for module in _planned(draft) if module.forward.built]
+    assert built  # those drafting called
+    needs_layouts = any(set(forward.plan.values()) != {"linear"} for forward in built)
+    assert (optimization.extra_bytes > before) == needs_layouts
     optimization.restore()
 
 
