@@ -527,6 +527,23 @@ def test_repeats_a_round_passed_over_are_checked_against_the_tokens_it_committed
     assert looked_up.shape[1] >= 3
 
 
+def test_generate_checks_the_repeats_its_rounds_pass_over_against_the_tokens_they_commit():
+    """`target.generate(assistant_model=draft)` learns how far the repeats its rounds did not verify would have been
+    accepted, as the engine does: with looked-up tokens priced out, its rounds still count them."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    draft.drafting_options = DraftingOptions(draft_length="cost", prompt_lookup=2)
+    drafting = cost_aware_drafting(target, draft, draft.drafting_options)  # the one the call goes on from
+    drafting.lookup_accepted.zero_()  # no repeat is ever worth verifying
+    reached_before = drafting.lookup_reached.clone()
+    prompt = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(3))
+    expected = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    output = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, assistant_model=draft)
+    assert torch.equal(output, expected)
+    assert drafting.lookup_reached.sum() > reached_before.sum()  # random tiny targets loop: their rows repeat
+    assert drafting.lookup_accepted.sum() > 0
+
+
 def test_greedy_decoding_with_looked_up_rounds_is_lossless():
     """Rows that loop (as random tiny targets do) are verified against their own earlier tokens; a left-padded batch
     with rows stopping at EOS inside a block, through both paths, equals plain greedy decoding."""
