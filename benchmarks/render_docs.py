@@ -161,12 +161,13 @@ def matrix_section(report: dict) -> str:
     config, machine, versions = report["config"], report["machine"], report["versions"]
     counts = set(config["prompts"].values())
     which = f"the first {counts.pop()} prompts of each set" if len(counts) == 1 else f"prompts {config['prompts']}"
+    cold_prompts = "each process on the set's next batch" if config.get("cold_batches") == "next" else "its first batch"
     text = wrap(
         f"Each drafting method's speedup over plain decoding in the same engine and setting, and its tau: {which}, "
         f"at most {config['max_new_tokens']} new tokens, {machine['cpu_threads']} threads of an "
         f"{machine['processor']} {machine['device'].upper()}, torch {versions['torch']}, transformers "
         f"{versions['transformers']}. B: prompts per call. Warm: after a warm-up. Cold: a fresh process's first call "
-        "(its first batch), `optimize_for_cpu` and every set-up of the call included, model loading excluded."
+        f"({cold_prompts}), `optimize_for_cpu` and every set-up of the call included, model loading excluded."
         + (
             f" Every batch ran {config['repeats']} times and every first call in "
             f"{config.get('cold_repeats', config['repeats'])} processes per method, in turn, the order reversed every "

@@ -90,9 +90,9 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--cold",
         action="store_true",
-        help="also time each method's first call in a fresh process (one per method, setting and eval set, on its "
-        "first batch): model loading excluded, optimize_for_cpu (with the kernel plans the warm run cached on disk) "
-        "and the first call's set-up included",
+        help="also time each method's first call in a fresh process (one per method, setting, eval set and cold "
+        "repeat, each repeat on the set's next batch): model loading excluded, optimize_for_cpu (with the kernel "
+        "plans the warm run cached on disk) and the first call's set-up included",
     )
     parser.add_argument(
         "--repeats",
@@ -281,4 +281,6 @@ def bench_report(
     for row in report["results"]:
         row["background_load"] = args.background_load
     report["config"].update(cold=args.cold, cold_repeats=cold_repeats, background_load=args.background_load)
+    if args.cold:
+        report["config"]["cold_batches"] = "next"  # each cold repeat on the set's next batch (`first_call_prompts`)
     return report

@@ -1,10 +1,12 @@
 """`domino-spec bench --cold`: the time of a process's first decoding call, its one-time set-up included.
 
 A warm-up hides what a user's first call pays: `optimize_for_cpu` timing its kernels, allocations, kernel choice, the
-cost-aware draft length learning this machine. So each method in each setting decodes the first batch of each
-evaluation set in a fresh Python process (`python -m domino_spec.generation.cold_start SPEC RESULT`): loading the
+cost-aware draft length learning this machine. So each method in each setting decodes a batch of each evaluation set
+in a fresh Python process (`python -m domino_spec.generation.cold_start SPEC RESULT`): loading the
 models is not timed, everything after is (preparing the target and the method's draft with `optimize_for_cpu`
-where the bench does, the first call). Speedups compare first calls in the same engine and setting. The kernel plans
+where the bench does, the first call). Speedups compare first calls in the same engine, setting and prompts: with
+repeats, each repeat's processes decode the set's next batch (`first_call_prompts`), so a cold cell samples the first
+calls of as many prompts as a warm one can, not one prompt's many times. The kernel plans
 `optimize_for_cpu` reads and the round costs the cost-aware draft length starts from come from this machine's files
 (`plan_cache_path`, `draft_costs_path`), which the bench's warm run filled, as a user's earlier processes fill them;
 only a machine's very first process times them.
@@ -42,10 +44,11 @@ def cold_results(
     repeats: int = 1,
 ) -> list[dict]:
     """The results rows (`timing` "cold") of every method (with its baselines, as `run_bench` measured them) in
-    every setting it applies to, on each evaluation set's first batch, each a first call in a fresh process; with
-    `repeats`, that many processes per method, in turn, the order reversed every other time, their times summed."""
+    every setting it applies to, each a first call in a fresh process on a batch of each evaluation set; with
+    `repeats`, that many processes per method, each repeat on the set's next batch (`first_call_prompts`), the
+    methods in turn, the order reversed every other time, their times summed."""
 
-    def spec(method: str, setting: Setting, ids: list[list[int]]) -> dict:
+    def spec(method: str, setting: Setting, prompts: list[list[int]]) -> dict:
         return {
             "target": target_name,
             "method": method,
@@ -55,7 +58,7 @@ def cold_results(
                 "draft_length": drafting_options.draft_length,
                 "prompt_lookup": drafting_options.prompt_lookup,
             },
-            "prompts": ids[: setting.batch_size],
+            "prompts": prompts,
             "max_new_tokens": max_new_tokens,
             "eos": eos,
             "cpu_optimization": prepared and method != "plain-eager",
@@ -71,8 +74,9 @@ def cold_results(
             runs: dict[str, MethodRun] = {}
             for repeat in range(repeats if measured else 0):
                 calls = {}
+                prompts = first_call_prompts(ids, setting.batch_size, repeat)
                 for method in measured if repeat % 2 == 0 else measured[::-1]:
-                    calls[method] = first_call_in_new_process(spec(method, setting, ids))
+                    calls[method] = first_call_in_new_process(spec(method, setting, prompts))
                     progress.update(1)
                 if setting.greedy:  # the outputs, checked as the warm ones
                     expected = calls[reference_method(measured)].outputs
@@ -86,6 +90,14 @@ def cold_results(
             rows += setting_results({name: runs}, setting, prepared, timing="cold") if runs else []
     progress.close()
     return rows
+
+
+def first_call_prompts(prompt_ids: list[list[int]], batch_size: int, repeat: int) -> list[list[int]]:
+    """The prompts of a set's `repeat`-th cold process: its batches of `batch_size` in order, the first again after
+    the last (a set of fewer prompts than a batch gives them all each time)."""
+    num_batches = max(1, len(prompt_ids) // batch_size)
+    start = (repeat % num_batches) * batch_size
+    return prompt_ids[start : start + batch_size]
 
 
 def first_call_in_new_process(spec: dict) -> MethodRun:

@@ -15,6 +15,7 @@ from domino_spec import DraftingOptions, cli
 from domino_spec.generation import bench_command
 from domino_spec.generation.bench import NATIVE_METHODS, Setting, run_bench
 from domino_spec.generation.bench_report import write_results
+from domino_spec.generation.cold_start import first_call_prompts
 from domino_spec.generation.eval_sets import HELD_OUT_TASKS, LONG_CONTEXT_CHARS, eval_prompts
 from domino_spec.training.model_card import acceptance_section
 
@@ -223,7 +224,7 @@ def test_bench_command_measures_repeated_cold_first_calls_beside_the_warm_ones_u
     assert set(cells) == expected
     for (_method, batch_size, timing), row in cells.items():
         assert row["background_load"] is True and row["seconds"] > 0
-        # each batch three times; cold: the first batch, in two processes, each timed
+        # each batch three times; cold: two processes, each on the next batch, each timed
         assert row["identical"] == row["prompts"] == (2 * batch_size if timing == "cold" else 3 * 2)
         if timing == "cold":
             assert len(row["process_seconds"]) == 2
@@ -234,11 +235,20 @@ def test_bench_command_measures_repeated_cold_first_calls_beside_the_warm_ones_u
         assert row["prefill_seconds"] is None or 0 < row["prefill_seconds"] < row["seconds"]
     assert report["config"]["cold"] is True and report["config"]["background_load"] is True
     assert report["config"]["repeats"] == 3 and report["config"]["cold_repeats"] == 2
+    assert report["config"]["cold_batches"] == "next"
     assert (
         "every batch decoded 3 times and every cold call run in 2 processes"
         in (tmp_path / "bench_results.md").read_text()
     )
     assert (tmp_path / "bench_matrix.png").exists()
+
+
+def test_each_cold_repeat_decodes_the_sets_next_batch():
+    """A cold cell samples first calls of several prompts, each repeat's methods on the same ones."""
+    prompts = [[index] for index in range(5)]
+    assert [first_call_prompts(prompts, 1, repeat) for repeat in range(6)] == [[[i % 5]] for i in range(6)]
+    assert [first_call_prompts(prompts, 2, repeat) for repeat in range(3)] == [[[0], [1]], [[2], [3]], [[0], [1]]]
+    assert first_call_prompts(prompts, 12, 1) == prompts  # a set smaller than the batch: all of it, every time
 
 
 @pytest.mark.parametrize(
