@@ -206,12 +206,11 @@ class DominoCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, placeholder], dim=-1), certain_logits(placeholder, vocab_size)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches) -> None:
-        """The draft length follows the draft's confidence; looked-up tokens, verified or passed over, learn how far
-        they match the committed tokens. `scores` `[1, candidates + 1, V]` are the target's logits of the round;
-        `input_ids` ends with the tokens it committed."""
+        """The draft length follows the draft's confidence; looked-up tokens, verified or passed over, learn from the
+        tokens the round committed (`input_ids`' last). `scores` `[1, candidates + 1, V]`: the target's logits."""
         if self.drafting is not None:
             seconds = self.clock() - self.verify_start if self.verify_start is not None else None
-            committed = input_ids[:, -(int(num_matches) + 1) :]
+            committed = input_ids[:, -int(num_matches) - 1 :]
             self.drafting.accepted(scores.shape[1] - 1, [int(num_matches)], seconds, committed)
         self.verify_start = None
 
