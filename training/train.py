@@ -213,6 +213,14 @@ def parse_train_arguments(
 
 def main(argv: list[str]) -> None:
     draft_args, training_args = parse_train_arguments(argv)
+    try:
+        train(draft_args, training_args)
+    finally:  # a live gloo process group aborts the interpreter's exit ("terminate called without an active exception")
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def train(draft_args: DraftArguments, training_args: DominoTrainingArguments) -> None:
     if training_args.eval_strategy != "no" and not draft_args.eval_data:
         raise ValueError(
             f"--eval_strategy {training_args.eval_strategy.value} needs held-out data: add --eval_data "
