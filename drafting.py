@@ -47,7 +47,7 @@ class DraftingOptions:
     """
 
     candidate_pool: int = 0  # > 0: greedy slots correct only their best base tokens, the rest get -inf (0: all)
-    gate_table_max_bytes: int = 256 * 2**20  # precompute every draft token's GRU input gates when at most this big
+    gate_table_max_bytes: int = 0  # > 0: each draft token's GRU input gates in a table, when at most this big
     draft_length: str = (
         "auto"  # "cost": verify as many drafts as pay (`cost_aware.choose_draft_length`); "full": all of them;
     )

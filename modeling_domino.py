@@ -421,7 +421,7 @@ class DominoDraftModel(PreTrainedModel):
         if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
             return lm_head(hidden)[..., vocab]
         weight = self.derived.get(
-            "draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight[vocab].t().contiguous()
+            "draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight.t()[:, vocab].contiguous()
         )  # [D, V]
         logits = hidden @ weight  # [..., V]
         return logits if lm_head.bias is None else logits + lm_head.bias[vocab]

@@ -75,8 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gate-table-mib",
         type=int,
         default=None,
-        help="DraftingOptions.gate_table_max_bytes in MiB (default 256: at Qwen3-8B shapes the 890 MiB table is "
-        "skipped)",
+        help="DraftingOptions.gate_table_max_bytes in MiB (default 0: no table; at Qwen3-8B shapes it takes 890 MiB)",
     )
     parser.add_argument(
         "--no-fused", dest="fused_step", action="store_false", help="skip the fused head step (Triton) variants"

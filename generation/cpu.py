@@ -33,6 +33,10 @@ from ..machine import cache_path, machine_key, read_cache, write_cache
 # last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows.
 TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
 TIMING_REPEATS = 3  # the fastest of these runs counts, the others absorb the noise of a shared machine
+# A draft's layouts are tens of MB of fresh memory, which a VM may fault in at ~5 ms per MB (0.2-0.3 s for
+# SmolLM2-135M's draft on a 2-core EPYC VM), while its eager products cost ~1.3 ms more a drafting round: a linear
+# called this often (about 64 rounds) has run long enough for its layouts to pay.
+DRAFT_EAGER_CALLS = 128
 
 
 def _linear(x: torch.Tensor, layouts: dict) -> torch.Tensor:
@@ -58,13 +62,14 @@ KERNELS: dict[str, tuple[Callable, Callable[[torch.Tensor], torch.Tensor] | None
 
 class PlannedLinear:
     """An `nn.Linear`'s forward that runs each row count with the kernel its plan picked. The weight layouts the plan
-    needs are built now, or with `build_now=False` at its first planned call."""
+    needs are built now, or after `eager_calls` planned calls that run eager `F.linear`."""
 
-    def __init__(self, module: nn.Linear, plan: dict[int, str], build_now: bool = True):
+    def __init__(self, module: nn.Linear, plan: dict[int, str], eager_calls: int = 0):
         self.plan = plan  # row count (from TUNED_ROW_COUNTS) -> kernel name
         self.layouts = {"weight": module.weight, "bias": module.bias}
         self.built = False
-        if build_now:
+        self.eager_calls = eager_calls
+        if eager_calls == 0:
             self.build_layouts()
         # row count -> kernel, for every count up to the last tuned one
         self.by_rows = [KERNELS[self._kernel_name(rows)][0] for rows in range(TUNED_ROW_COUNTS[-1] + 1)]
@@ -89,6 +94,9 @@ class PlannedLinear:
         if rows >= len(self.by_rows) or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return F.linear(x, self.layouts["weight"], self.layouts["bias"])
         if not self.built:
+            if self.eager_calls > 0:
+                self.eager_calls -= 1
+                return F.linear(x, self.layouts["weight"], self.layouts["bias"])
             self.build_layouts()
         return self.by_rows[rows](x, self.layouts)
 
@@ -211,7 +219,8 @@ def optimize_for_cpu(
     in the winning layouts (`extra_bytes`), and the timing (seconds to tens of seconds) of every weight shape that
     `plan_cache` (a JSON file; "default": `plan_cache_path()`; None: none) holds no plan of for this machine.
     The target's layouts are built now, since the cost-aware draft length times its passes from the first step on;
-    a draft's at its first drafting round (which that does not time), so a process that never drafts pays nothing.
+    a draft's linears run eagerly for their first `DRAFT_EAGER_CALLS` calls, then build theirs: a process that drafts
+    a few dozen rounds (a short first call) saves more than the eager products cost.
 
         with optimize_for_cpu(target, draft):
             out = speculative_generate(target, draft, input_ids)
@@ -238,7 +247,8 @@ def optimize_for_cpu(
             stored[key], timed = plan_shape(modules), True
         plans[shape] = stored[key]
         for module in modules:
-            module.forward = planned[module] = PlannedLinear(module, plans[shape], build_now=module in targets_own)
+            eager_calls = 0 if module in targets_own else DRAFT_EAGER_CALLS
+            module.forward = planned[module] = PlannedLinear(module, plans[shape], eager_calls)
         if verbose:
             print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
     if path and timed:

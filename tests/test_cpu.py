@@ -13,6 +13,7 @@ from torch import nn
 from domino_spec import DraftingOptions
 from domino_spec.generation import optimize_for_cpu, speculative_generate
 from domino_spec.generation.cpu import (
+    DRAFT_EAGER_CALLS,
     TUNED_ROW_COUNTS,
     faster_thread_count,
     other_runnable_tasks,
@@ -54,9 +55,10 @@ def test_optimized_models_give_eager_logits_and_decode_losslessly(target):
 
 
 @torch.no_grad()
-def test_a_drafts_layouts_are_built_at_its_first_call_and_the_targets_at_once(target):
+def test_a_drafts_layouts_are_built_after_its_first_calls_and_the_targets_at_once(target):
     """The cost-aware draft length times the target's passes from the first step, so its layouts are ready before;
-    a process whose draft never drafts pays nothing for the draft's."""
+    a draft's linears run eagerly until they have been called `DRAFT_EAGER_CALLS` times, so a short first call
+    builds none, and then run their plans."""
     draft = tiny_draft(target)
     optimization = optimize_for_cpu(target, draft)
     assert all(module.forward.built for module in _planned(target))
@@ -68,10 +70,16 @@ def test_a_drafts_layouts_are_built_at_its_first_call_and_the_targets_at_once(ta
         target, draft, input_ids, max_new_tokens=12, eos_token_id=[], options=DraftingOptions(draft_length="full")
     )
     assert torch.equal(output.sequences, expected)
-    built = [module.forward for module in _planned(draft) if module.forward.built]
-    assert built  # those drafting called
-    needs_layouts = any(set(forward.plan.values()) != {"linear"} for forward in built)
-    assert (optimization.extra_bytes > before) == needs_layouts
+    assert not any(module.forward.built for module in _planned(draft)) and optimization.extra_bytes == before
+    linear = next(module for module in _planned(draft) if module.forward.eager_calls < DRAFT_EAGER_CALLS)
+    rows = torch.randn(3, linear.in_features)
+    eager = nn.functional.linear(rows, linear.weight, linear.bias)
+    for _ in range(linear.forward.eager_calls):
+        torch.testing.assert_close(linear(rows), eager, rtol=1e-5, atol=1e-5)
+    assert not linear.forward.built
+    torch.testing.assert_close(linear(rows), eager, rtol=1e-5, atol=1e-5)  # builds, then runs the plan
+    needs_layouts = set(linear.forward.plan.values()) != {"linear"}
+    assert linear.forward.built and (optimization.extra_bytes > before) == needs_layouts
     optimization.restore()
 
 
