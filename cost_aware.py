@@ -112,6 +112,11 @@ MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate
 # of a shorter pass with drafts moves its excess over what the prior shape predicts from that one by STALE_RELAXATION.
 STALE_AFTER = 16
 STALE_RELAXATION = 0.05
+# A loss read back from an earlier process keeps a process from looking where a look is dear (`CLEAR_LOSS`), and a
+# process that does not look cannot revise it: one timed in a slow spell (a profiler, a busy machine) would turn
+# drafting off for good. So each process that reads a stored loss takes this share of it back, and after a few
+# processes one looks and times it again.
+STORED_LOSS_RECOVERY = 0.5
 
 
 class CostModel:
@@ -138,8 +143,10 @@ class CostModel:
 
     def observe_verify(self, num_drafts: int, seconds: float) -> None:
         previous = self.verify_seconds[num_drafts]
-        if previous is None and self.knows_plain_step:  # a first timing, weighed against what the others predict
-            seconds = min(seconds, MAX_TIMING_JUMP * self.costs().verify_seconds[num_drafts])
+        if self.last_timed[num_drafts] is None and self.knows_plain_step:
+            # this process's first timing of the count, weighed against what the others predict, replaces an earlier
+            # process's: that one may come from a slow spell, and a count that looks dear is seldom timed again
+            seconds, previous = min(seconds, MAX_TIMING_JUMP * self.costs().verify_seconds[num_drafts]), None
         self.verify_seconds[num_drafts] = _average(previous, seconds)
         self.timings += 1
         self.last_timed[num_drafts] = self.timings
@@ -164,6 +171,11 @@ class CostModel:
     def knows_plain_step(self) -> bool:
         """Whether a plain decode step was timed: the cost every alternative is weighed against."""
         return self.verify_seconds[0] is not None
+
+    @property
+    def timed_drafts(self) -> bool:
+        """Whether this process timed a verify pass over drafts (restored timings are an earlier process's)."""
+        return any(timings is not None for timings in self.last_timed[1:])
 
     @property
     def drafting_timed(self) -> bool:
@@ -228,7 +240,7 @@ class FixedCosts(CostModel):
     def observe_draft(self, seconds: float) -> None:
         pass
 
-    knows_plain_step = drafting_timed = True
+    knows_plain_step = drafting_timed = timed_drafts = True
 
     def costs(self) -> DraftCosts:
         return self._costs
@@ -246,9 +258,10 @@ class CostAwareDrafting:
     look (a drafting round and a verify pass) costs so much of a step that looking would take over `EXPLORATION_SHARE`
     of the time (a wide batch).
     Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
-    from the last: `learned_costs`), it drafts only those looks; where they lost clearly (`CLEAR_LOSS`) and a look costs
-    more than a plain step, a process arriving at that batch size, new or not, looks as seldom as the budget allows
-    from its first round there (a cheap look goes on looking soon: the loss may have been the text's, not the batch's).
+    from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where they lost
+    clearly (`CLEAR_LOSS`) and a look costs more than a plain step, a process arriving at that batch size, new or not,
+    looks as seldom as the budget allows from its first round there (a cheap look goes on looking soon: the loss may
+    have been the text's, not the batch's).
     A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
     run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
     its tokens are accepted is estimated per matched n-gram size and position from the run's earlier repeats, verified
@@ -369,17 +382,25 @@ class CostAwareDrafting:
         self.draft_seconds = seconds if cost_model.drafting_timed else None  # not while its kernels are built
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:
-        """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit`."""
+        """After drafting: how many drafts of `confidence` `[B, S]` to verify, at most `limit` (`_fewest`)."""
+        fewest = self._fewest(confidence.shape[0])
         calibrated = self._predicted(confidence, tree=False)
         costs = self._remember(calibrated.cumprod(dim=1))
-        return min(limit, choose_draft_length(calibrated, costs, self.look_ahead))
+        return min(limit, max(fewest, choose_draft_length(calibrated, costs, self.look_ahead)))
 
     def tree_size(self, path_probs: torch.Tensor) -> int:
         """After growing a tree: how many of its nodes to verify, given each row's nodes in the order they were
         added (so every prefix is a tree) and `path_probs` `[B, N]`, the probability the draft gives the path to
-        each. The prefix `choose_draft_length` would pick looking ahead."""
+        each. The prefix `choose_draft_length` would pick looking ahead (`_fewest`)."""
+        fewest = self._fewest(path_probs.shape[0])
         reach = self._predicted(path_probs, tree=True)
-        return _best_length(reach, self._remember(reach))
+        return max(fewest, _best_length(reach, self._remember(reach)))
+
+    def _fewest(self, batch_size: int) -> int:
+        """1 in a look (drafting did not pay) before this process timed a pass over drafts at `batch_size`, else 0:
+        what it knows of such passes (an earlier process's timings, the prior) may be what keeps drafting off, and
+        only timing one could show otherwise."""
+        return int(not self.pays and not self._cost_model(batch_size).timed_drafts)
 
     def _predicted(self, probs: torch.Tensor, tree: bool) -> torch.Tensor:
         """The round's predicted probabilities, kept until verified, and calibrated."""
@@ -515,7 +536,8 @@ class _Learned:
             gains = self.stored.get(_stored_name(do_sample, "gains"))
             for batch_size, gain in gains.items() if isinstance(gains, dict) else ():
                 if batch_size.isdigit() and isinstance(gain, (int, float)):  # else a file edited by hand
-                    self.realized_gain[do_sample][int(batch_size)] = float(gain)
+                    loss = max(0.0, 1.0 - gain)
+                    self.realized_gain[do_sample][int(batch_size)] = float(gain) + STORED_LOSS_RECOVERY * loss
         self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
 
     def cost_models_of(self, do_sample: bool) -> Callable[[int, int], CostModel]:

@@ -1,5 +1,6 @@
 """The cost-aware draft length (`cost_aware.choose_draft_length`) and the drafting options."""
 
+import gc
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from domino_spec.cost_aware import (
     CostAwareDrafting,
     CostModel,
     FixedCosts,
+    _save_all,
     capped_by_longer,
     choose_draft_length,
     context_bucket,
@@ -289,6 +291,15 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
         # as long as the last had come to (more than these 12 rounds)
         assert _drafting_passes(target, draft, input_ids)[:1] == ([first_drafting_pass] if first_drafting_pass else [])
 
+    first_drafting_passes, stored_gains = [], []
+    for _ in range(3):  # a process that reads a clear loss back and does not look stores it with half of it recovered
+        forget_draft_costs(target)
+        gc.collect()  # the state of the processes before is gone with them
+        first_drafting_passes.append(_drafting_passes(target, draft, input_ids)[:1])
+        _save_all()  # as the process does when it ends
+        stored_gains.append(json.loads(path.read_text())[next(iter(stored))]["greedy gains"]["1"])
+    assert stored_gains[:2] == [0.75, 0.875] and first_drafting_passes == [[], [], [2]]  # at 0.9375 it looks again
+
     monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
     forget_draft_costs(draft)
     assert not learned_costs(target, draft)(1).knows_plain_step  # another file: the prior again
@@ -381,6 +392,22 @@ def test_rounds_skip_drafting_while_recent_ones_do_not_pay_and_look_again_ever_l
     drafting.skipped = drafting.wait  # its next look: a sure round brings drafting back every round
     assert drafting.plan(committed, limit=4) is None and drafting.length(sure, limit=3) == 3
     assert all(drafting.plan(committed, limit=4) is None for _ in range(3))
+
+
+def test_a_look_verifies_a_draft_until_the_process_timed_one_at_its_batch_size():
+    """Restored costs that make every draft look dear (an earlier process timed them in a slow spell) would keep a
+    look from verifying any, and so from ever timing what a pass over drafts costs now."""
+    dear = CostModel(4)
+    dear.restore({"verify_seconds": [1.0, 3.4, 3.5, 3.6, 3.7], "draft": 0.5})
+    drafting = CostAwareDrafting(lambda batch_size, context: dear, realized_gain={1: 0.95})
+    committed, unsure = [torch.tensor([1, 2, 3])], torch.full((1, 4), 0.3)
+    assert drafting.plan(committed, limit=4).shape == (1, 0)  # drafting did not quite pay: a plain step, then a look
+    assert drafting.plan(committed, limit=4) is None and not dear.timed_drafts
+    assert choose_draft_length(unsure, dear.costs(), look_ahead=True) == 0 and drafting.length(unsure, limit=4) == 1
+    drafting.accepted(1, [1], seconds=1.1)
+    assert dear.timed_drafts and dear.verify_seconds[1] == 1.1  # the process's own first timing replaces the file's
+    hopeless = torch.full((1, 4), 0.01)
+    assert drafting.length(hopeless, limit=4) == choose_draft_length(hopeless, dear.costs(), look_ahead=True) == 0
 
 
 def test_a_wide_batch_whose_drafting_costs_most_of_a_step_looks_again_less_often():
