@@ -533,11 +533,13 @@ class _Learned:
         self.cost_models: dict[tuple[bool, int, int], CostModel] = {}
         self.realized_gain: dict[bool, dict[int, float]] = {False: {}, True: {}}  # `CostAwareDrafting.realized_gain`
         for do_sample in (False, True):
-            gains = self.stored.get(_stored_name(do_sample, "gains"))
+            name = _stored_name(do_sample, "gains")
+            gains, own = self.stored.get(name), _gains_written.get((disk_key, name), {})
             for batch_size, gain in gains.items() if isinstance(gains, dict) else ():
                 if batch_size.isdigit() and isinstance(gain, (int, float)):  # else a file edited by hand
+                    recovery = 0.0 if own.get(batch_size) == gain else STORED_LOSS_RECOVERY  # another process's
                     loss = max(0.0, 1.0 - gain)
-                    self.realized_gain[do_sample][int(batch_size)] = float(gain) + STORED_LOSS_RECOVERY * loss
+                    self.realized_gain[do_sample][int(batch_size)] = float(gain) + recovery * loss
         self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
 
     def cost_models_of(self, do_sample: bool) -> Callable[[int, int], CostModel]:
@@ -575,7 +577,11 @@ class _Learned:
         from, beside what other processes stored."""
         timed = {_stored_name(*key): model.state() for key, model in self.cost_models.items() if model.knows_plain_step}
         if timed:
-            delivered = {_stored_name(do_sample, "gains"): gains for do_sample, gains in self.realized_gain.items()}
+            delivered = {
+                _stored_name(do_sample, "gains"): {str(size): gain for size, gain in gains.items()}
+                for do_sample, gains in self.realized_gain.items()
+            }
+            _gains_written.update({(self.disk_key, name): gains for name, gains in delivered.items()})
             self.stored |= timed | delivered
             write_cache(self.path, read_cache(self.path) | {self.disk_key: self.stored})
 
@@ -617,6 +623,9 @@ def _disk_key(target, draft, round_options: DraftingOptions) -> str:
     return f"{machine_key()} | {described(target)} | {described(draft)} | {round_options}"
 
 
+# What this process stored of what drafted rounds delivered, per disk key and sampling: read back (after
+# `forget_draft_costs`), its losses are this process's own and take no `STORED_LOSS_RECOVERY` again.
+_gains_written: dict[tuple[str, str], dict[str, float]] = {}
 _learned: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 _all_learned: "weakref.WeakSet[_Learned]" = weakref.WeakSet()  # what to store when the process ends
 

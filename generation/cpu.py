@@ -17,7 +17,9 @@ shape: a process's first call pays the timing only where no earlier process on t
 """
 
 import contextlib
+import ctypes
 import os
+import platform
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +39,12 @@ TIMING_REPEATS = 3  # the fastest of these runs counts, the others absorb the no
 # SmolLM2-135M's draft on a 2-core EPYC VM), while its eager products cost ~1.3 ms more a drafting round: a linear
 # called this often (about 64 rounds) has run long enough for its layouts to pay.
 DRAFT_EAGER_CALLS = 128
+# By default glibc hands large freed blocks back to the system (fresh mappings above a threshold of 128 KB-32 MB, the
+# heap's free top above twice that), so a batched prefill faults its activations in again on every call: ~0.9 GB
+# for 12 rows of 126 tokens through SmolLM2-135M, 0.3-0.5 s of a 2 s prefill on a 2-core EPYC VM. Kept, a process
+# reuses what it freed.
+MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this come from the heap
+MALLOC_TRIM_THRESHOLD = 1 << 30  # free memory the heap keeps before it shrinks
 
 
 def _linear(x: torch.Tensor, layouts: dict) -> torch.Tensor:
@@ -207,7 +215,11 @@ def _read_plans(path: str) -> dict[str, dict[int, str]]:
 
 
 def optimize_for_cpu(
-    target: nn.Module, *drafts: nn.Module, verbose: bool = False, plan_cache: str | None = "default"
+    target: nn.Module,
+    *drafts: nn.Module,
+    verbose: bool = False,
+    plan_cache: str | None = "default",
+    keep_freed_memory: bool = True,
 ) -> CPUOptimization:
     """Make every `nn.Linear` of `target` (and of `drafts`) run each row count up to 64 with the fastest of three
     layouts of its weight, timed here once per weight shape; in place, undone by `restore()`.
@@ -218,6 +230,8 @@ def optimize_for_cpu(
     after this call is not seen by the extra layouts (`restore()` first). Costs an extra copy of the linear weights
     in the winning layouts (`extra_bytes`), and the timing (seconds to tens of seconds) of every weight shape that
     `plan_cache` (a JSON file; "default": `plan_cache_path()`; None: none) holds no plan of for this machine.
+    With `keep_freed_memory` (glibc only), the process keeps the memory it frees for its next allocations
+    (`keep_freed_memory_for_reuse`): a process-wide setting that `restore()` does not undo.
     The target's layouts are built now, since the cost-aware draft length times its passes from the first step on;
     a draft's linears run eagerly for their first `DRAFT_EAGER_CALLS` calls, then build theirs: a process that drafts
     a few dozen rounds (a short first call) saves more than the eager products cost.
@@ -253,7 +267,23 @@ def optimize_for_cpu(
             print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
     if path and timed:
         write_cache(path, stored)
+    if keep_freed_memory:
+        keep_freed_memory_for_reuse()
     return CPUOptimization(models, planned, plans)
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Have glibc's malloc keep the memory the process frees, up to `MALLOC_TRIM_THRESHOLD`, and serve blocks up to
+    `MALLOC_MMAP_THRESHOLD` from it, instead of returning it to the system and faulting it in again at the next
+    pass; True where set, False where the C library is not glibc. The process then holds its peak memory, as it
+    would with jemalloc or tcmalloc, which CPU inference often preloads for the same reason."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD)
+    )
 
 
 LOAD_SAMPLES = 5  # looks at the machine's runnable tasks, a millisecond apart; the fewest counts
@@ -339,6 +369,7 @@ def threads_fitted_to_load(model: nn.Module) -> Iterator[int]:
 __all__ = [
     "CPUOptimization",
     "faster_thread_count",
+    "keep_freed_memory_for_reuse",
     "optimize_for_cpu",
     "other_runnable_tasks",
     "plan_cache_path",

@@ -452,7 +452,7 @@ def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[...,
         embed_tokens = setup.target.get_input_embeddings()
 
         def grow(block, max_depth: int, branches: list[tuple[torch.Tensor, torch.Tensor]]) -> DraftTree:
-            tree = grow_tree(draft, block, embed_tokens, num_nodes, max_depth)
+            tree = grow_tree(draft, block, embed_tokens, num_nodes, max_depth, options)
             return add_branch(tree, branches, num_nodes)
 
         return grow

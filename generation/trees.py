@@ -19,7 +19,7 @@ Shapes: B rows, N nodes, K children offered per node, V draft vocabulary, G GRU 
 import torch
 import torch.nn.functional as F
 
-from ..drafting import DraftTree
+from ..drafting import DraftingOptions, DraftTree
 from ..head_domino import block_inputs, gru_cell, input_gates, token_ids
 from ..modeling_domino import DominoBlock
 
@@ -27,15 +27,24 @@ CHILDREN_PER_NODE = 8  # each node offers its K likeliest next tokens; 8 accepts
 
 
 @torch.no_grad()
-def grow_tree(draft, block: DominoBlock, embed_tokens: torch.nn.Module, num_nodes: int, max_depth: int) -> DraftTree:
-    """A tree of `num_nodes` drafts per row, at most `max_depth` deep, from the backbone's `block`.
+def grow_tree(
+    draft,
+    block: DominoBlock,
+    embed_tokens: torch.nn.Module,
+    num_nodes: int,
+    max_depth: int,
+    options: DraftingOptions | None = None,
+) -> DraftTree:
+    """A tree of `num_nodes` drafts per row, at most `max_depth` deep, from the backbone's `block`, with the head's
+    weights laid out as `options` say (the draft's `drafting_options` by default).
 
     Best first: each step adds, in every row, the candidate with the highest path probability, runs the GRU on its
     token from its parent's state, and offers its K likeliest children (the head's logits at the slot of its depth).
     A row whose candidates run out adds nodes of path probability 0, which the cost-aware length leaves out.
     """
     head = draft.head
-    weights = head.weights(embed_tokens, draft.draft_vocab, block.base_logits.dtype, whole_vocabulary=True)
+    options = options or draft.drafting_options
+    weights = head.weights(embed_tokens, draft.draft_vocab, block.base_logits.dtype, options, whole_vocabulary=True)
     inputs = block_inputs(block.base_logits, block.hidden, block.anchor_embeds, weights)
     base_logits, rows = block.base_logits, torch.arange(block.base_logits.shape[0], device=block.base_logits.device)
     state_width = weights.weight_ih.shape[0]  # 3G

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from domino_spec import DraftCosts, DraftingOptions
+from domino_spec import DraftCosts, DraftingOptions, cost_aware
 from domino_spec.cache_domino import DominoContextCache
 from domino_spec.cost_aware import (
     CostAwareDrafting,
@@ -295,10 +295,22 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     for _ in range(3):  # a process that reads a clear loss back and does not look stores it with half of it recovered
         forget_draft_costs(target)
         gc.collect()  # the state of the processes before is gone with them
+        cost_aware._gains_written.clear()
         first_drafting_passes.append(_drafting_passes(target, draft, input_ids)[:1])
         _save_all()  # as the process does when it ends
         stored_gains.append(json.loads(path.read_text())[next(iter(stored))]["greedy gains"]["1"])
     assert stored_gains[:2] == [0.75, 0.875] and first_drafting_passes == [[], [], [2]]  # at 0.9375 it looks again
+
+    stored[next(iter(stored))]["greedy gains"] = {"1": 0.5}
+    path.write_text(json.dumps(stored))
+    forget_draft_costs(target)
+    cost_aware._gains_written.clear()
+    speculative_generate(target, draft, input_ids, max_new_tokens=2, eos_token_id=[])  # reads 0.5 back as 0.75
+    _save_all()
+    forget_draft_costs(target)  # the same process reads its own loss back: it takes no share of it back again
+    speculative_generate(target, draft, input_ids, max_new_tokens=2, eos_token_id=[])
+    _save_all()
+    assert json.loads(path.read_text())[next(iter(stored))]["greedy gains"]["1"] == 0.75
 
     monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
     forget_draft_costs(draft)

@@ -4,6 +4,7 @@ The tiny targets here have a 12-token vocabulary, so a random draft's other bran
 rounds accept nodes off the draft's likeliest branch, which a chain would never have verified.
 """
 
+import dataclasses
 import warnings
 
 import pytest
@@ -92,6 +93,18 @@ def test_a_trees_first_branch_is_the_greedy_chain_and_path_probabilities_fall_al
     assert tree.tokens[0, path].tolist() == chain.tokens[0, : len(path)].tolist()
     assert torch.allclose(tree.path_probs[0, path], chain.confidence[0, : len(path)].cumprod(0).float(), rtol=1e-4)
     assert (tree.parents < torch.arange(1, tree.parents.shape[1] + 1)).all()  # a parent comes before its children
+
+
+def test_a_tree_round_lays_out_the_heads_weights_as_the_runs_options_say():
+    target, draft = small_vocabulary_models("llama")
+    prompt = random_prompts(1, seed=4, vocab_size=VOCAB_SIZE)[0]
+    expected = plain_greedy(target, prompt, 10, None)
+    output = speculative_generate(target, draft, prompt, max_new_tokens=10, eos_token_id=[], options=TREE)
+    assert output.tree_rounds > 0 and "gate_table" not in draft.head.derived  # the default: no table
+    with_table = dataclasses.replace(TREE, gate_table_max_bytes=2**30)
+    output = speculative_generate(target, draft, prompt, max_new_tokens=10, eos_token_id=[], options=with_table)
+    assert output.tree_rounds > 0 and "gate_table" in draft.head.derived
+    assert torch.equal(output.sequences, expected)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
