@@ -100,15 +100,10 @@ class DerivedTensors:
 
     def __init__(self):
         self._cache: dict[str, tuple] = {}
-        self._declined: dict[str, int] = {}
 
-    def get(self, name: str, sources: tuple, build: Callable[[], torch.Tensor], after_calls: int = 0) -> torch.Tensor:
-        """`build()`, built again when `sources` change; None for the first `after_calls` calls (not worth it yet)."""
+    def get(self, name: str, sources: tuple[torch.Tensor, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
         if torch.is_grad_enabled():
             return build()
-        if self._declined.get(name, 0) < after_calls:
-            self._declined[name] = self._declined.get(name, 0) + 1
-            return None
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
         cached_key, cached_sources, derived = self._cache.get(name, (None, (), None))
         # Weak references, since an address alone can be reused: a new target's embedding where a freed one was.
@@ -125,7 +120,7 @@ class DerivedTensors:
         return name in self._cache
 
     def __getstate__(self) -> dict:
-        return {"_cache": {}, "_declined": {}}
+        return {"_cache": {}}
 
 
 class HeadWeights(NamedTuple):

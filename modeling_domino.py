@@ -23,7 +23,12 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
 from transformers.utils import ModelOutput
 
 from .cache_domino import DominoContextCache
@@ -40,10 +45,6 @@ from .head_domino import (
     to_target_vocabulary,
 )
 
-# The draft vocabulary's rows of the LM head are fresh memory (18 MB of SmolLM2's), 5-10 ms per MB on a VM, where the
-# whole head costs ~3 ms more a round: a process's first drafting rounds use the whole head, later ones the rows.
-DRAFT_LM_HEAD_AFTER_ROUNDS = 32
-
 # Shapes: B batch, N blocks per sequence, K block size, S drafts per block, T context length, D hidden,
 # V vocabulary (the draft's, a subset of the target's), Hq/Hkv attention heads, Dh head dim.
 
@@ -54,7 +55,8 @@ class DominoOutput(ModelOutput):
 
     Args:
         logits (`torch.FloatTensor` of shape `(batch_size, num_blocks, num_draft_tokens, draft_vocab_size)`):
-            Final logits over the draft vocabulary: base logits plus the head's residual (without a head, the base).
+            Final logits over the draft vocabulary: base logits plus the head's residual (`base_logits` without a
+            head).
         base_logits (`torch.FloatTensor` of the same shape): the parallel backbone's logits.
     """
 
@@ -164,9 +166,12 @@ class DominoAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
-        key_value_width = self.num_key_value_heads * self.head_dim
-        self.k_proj = nn.Linear(config.hidden_size, key_value_width, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, key_value_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -407,23 +412,17 @@ class DominoDraftModel(PreTrainedModel):
         """The target's LM head over the draft vocabulary: `[..., D]` hidden states -> `[..., V]` logits.
 
         With a draft vocabulary, only its rows of the LM head are multiplied (kept transposed, the fast layout for a
-        few rows on CPU, from the `DRAFT_LM_HEAD_AFTER_ROUNDS`-th call on), the cost that a drafting round otherwise
-        spends mostly on the target's whole vocabulary.
+        few rows on CPU), the cost that a drafting round otherwise spends mostly on the target's whole vocabulary.
         """
         hidden = draft_hidden.to(lm_head.weight.dtype)
         vocab = self.draft_vocab
         if vocab is None:
             return lm_head(hidden)
-        weight = None  # [D, V]; a module that transforms its output (an adapter): its logits, then ours
-        if type(lm_head) is nn.Linear:
-            weight = self.derived.get(
-                "draft_lm_head",
-                (lm_head.weight, vocab),
-                lambda: lm_head.weight.t()[:, vocab].contiguous(),
-                after_calls=DRAFT_LM_HEAD_AFTER_ROUNDS,
-            )
-        if weight is None:  # an adapter, or rows not built yet
+        if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
             return lm_head(hidden)[..., vocab]
+        weight = self.derived.get(
+            "draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight.t()[:, vocab].contiguous()
+        )  # [D, V]
         logits = hidden @ weight  # [..., V]
         return logits if lm_head.bias is None else logits + lm_head.bias[vocab]
 

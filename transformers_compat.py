@@ -12,7 +12,8 @@
 - 5.17 judges a prompt's own stop (EOS or a stop string) as the candidates' stop in assisted decoding, and its
   `CandidateGenerator.update_candidate_strategy` raises unless overridden; `generation_domino.py` works on all.
 
-Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and transformers.
+Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and
+transformers.
 """
 
 import inspect

@@ -9,7 +9,6 @@ from safetensors import safe_open
 from domino_spec import DominoDraftModel, DraftingOptions
 from domino_spec.draft_building import with_draft_vocab
 from domino_spec.generation import speculative_generate
-from domino_spec.modeling_domino import DRAFT_LM_HEAD_AFTER_ROUNDS
 from domino_spec.published_format import load_draft
 from domino_spec.training import export
 from domino_spec.training.data import draft_vocabulary
@@ -71,18 +70,6 @@ def test_greedy_decoding_with_a_draft_vocabulary_is_lossless_on_both_paths(targe
         assert torch.equal(native.sequences, expected)
         hf = target.generate(input_ids, max_new_tokens=16, do_sample=False, pad_token_id=0, assistant_model=draft)
         assert torch.equal(hf, expected)
-
-
-def test_the_draft_vocabularys_head_rows_are_built_after_the_first_rounds_and_give_the_same_logits(target):
-    draft = _strong_draft(target, draft_vocab=torch.arange(40, 90))
-    lm_head, hidden = target.get_output_embeddings(), torch.randn(2, 5, target.config.hidden_size)
-    with torch.no_grad():
-        whole_head = [draft.base_logits(hidden, lm_head) for _ in range(DRAFT_LM_HEAD_AFTER_ROUNDS)]
-        assert "draft_lm_head" not in draft.derived  # no rows of their own yet
-        rows = draft.base_logits(hidden, lm_head)
-    assert "draft_lm_head" in draft.derived
-    assert rows.shape == (2, 5, 50) and torch.allclose(rows, whole_head[0], atol=1e-5)
-    assert torch.equal(whole_head[0], lm_head(hidden)[..., 40:90])
 
 
 def test_a_draft_vocabulary_is_saved_and_exported_as_the_whole_vocabulary(target, tmp_path):
