@@ -45,6 +45,7 @@ DRAFT_EAGER_CALLS = 128
 # reuses what it freed.
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to this come from the heap
 MALLOC_TRIM_THRESHOLD = 1 << 30  # free memory the heap keeps before it shrinks
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's `mallopt` parameters (malloc.h)
 
 
 def _linear(x: torch.Tensor, layouts: dict) -> torch.Tensor:
@@ -280,9 +281,8 @@ def keep_freed_memory_for_reuse() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(
-        libc.mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
     )
 
 

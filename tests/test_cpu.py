@@ -153,11 +153,11 @@ def test_beside_busy_processes_the_call_runs_on_the_faster_thread_count_and_deco
 
 FAULTS_OF_A_SECOND_ALLOCATION = """
 import ctypes, resource, sys, torch
-from domino_spec.generation.cpu import keep_freed_memory_for_reuse
+from domino_spec.generation.cpu import M_MMAP_THRESHOLD, keep_freed_memory_for_reuse
 if sys.argv[1] == "keep":
     assert keep_freed_memory_for_reuse()
 else:  # glibc's starting thresholds, held (it raises them with what a process happened to free)
-    assert ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)
+    assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 << 10)
 faults = []
 for _ in range(6):  # a pass's activations: allocated and written layer after layer, then freed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
