@@ -57,7 +57,7 @@ class DraftingOptions:
     )
     prompt_lookup: int = 3  # with a cost-aware length: rounds whose last tokens (up to this many) occurred before
     # verify what followed them there instead of drafting, where that pays (`cost_aware.prompt_lookup`); 0: off
-    tree_nodes: int | None = None  # > 0: the native engine's greedy rounds verify a tree of up to this many drafted
+    tree_nodes: int | None = None  # > 0: the native engine's rounds verify a tree of up to this many drafted
     # tokens (`generation.trees`; with a cost-aware length, as many as pay); 0: a chain; None: `AUTO_TREE_NODES` with
     # a cost-aware length where the run can verify trees, else chains (`tree_budget`). `generate` verifies chains
 
@@ -78,7 +78,7 @@ class DraftingOptions:
         return self.draft_length == "cost" or (self.draft_length == "auto" and device.type == "cpu")
 
     def tree_budget(self, device: torch.device) -> int:
-        """The most nodes a greedy round's tree may have on `device` (0: chains): `tree_nodes`, or where it is None
+        """The most nodes a round's tree may have on `device` (0: chains): `tree_nodes`, or where it is None
         `AUTO_TREE_NODES` with a cost-aware length (which keeps only the nodes that pay) and chains without one."""
         if self.tree_nodes is not None:
             return self.tree_nodes
@@ -172,7 +172,7 @@ class DraftLengthPolicy(Protocol):
 @dataclass
 class DraftRound:
     """What a round verifies after each row's anchor: `tokens` `[B, k]`, the logits `[B, k, V]` they were drawn from
-    (None where no draft was drawn and the decoding is greedy), whether they followed a repeat of the context, and
+    (None where none was drawn: greedy decoding, a tree), whether they followed a repeat of the context, and
     for a tree each token's `parents` `[B, k]` (0: the anchor, i: the i-th token; a chain is i - 1 for token i) and
     which tokens only its looked-up branch proposed."""
 
@@ -218,10 +218,9 @@ def draft_round(
     `[B, T_new, F]`, their positions and mask) into the draft's cache (held there unprojected in a round that does
     not draft), draft at most `limit` tokens after each row's anchor, and keep as many as pay
     (`DraftLengthPolicy.length`). `sequences()` gives each row's committed tokens, for prompt lookup. The drafting
-    arguments are `DominoDraftModel.draft_block`'s. With `grow_tree(block, limit, branches)` (greedy decoding only)
-    the round drafts a tree from the backbone's block instead of a chain, with each row's looked-up tokens as one
-    more branch (`DraftLengthPolicy.lookup_branch`), and keeps the prefix of its nodes that pays
-    (`DraftLengthPolicy.tree_size`)."""
+    arguments are `DominoDraftModel.draft_block`'s. With `grow_tree(block, limit, branches)` the round drafts a tree
+    from the backbone's block instead of a chain, with each row's looked-up tokens as one more branch
+    (`DraftLengthPolicy.lookup_branch`), and keeps the prefix of its nodes that pays (`DraftLengthPolicy.tree_size`)."""
     committed = sequences() if drafting is not None and limit > 0 else []
     planned = drafting.plan(committed, limit, tree=grow_tree is not None) if committed else None
     if limit == 0 or planned is not None:  # no drafting this round: its context waits for the next that drafts

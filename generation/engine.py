@@ -33,7 +33,15 @@ from ..drafting import (
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument, tapped_hidden_states
 from .cpu import threads_fitted_to_load
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
-from .trees import accept_tree, add_branch, grow_tree, left_the_first_branch, tree_attention_mask, tree_depths
+from .trees import (
+    accept_tree,
+    add_branch,
+    grow_tree,
+    left_the_first_branch,
+    sample_tree,
+    tree_attention_mask,
+    tree_depths,
+)
 
 
 @dataclass
@@ -280,8 +288,9 @@ def speculative_generate(
 
     Greedy: each row keeps the longest draft prefix equal to the target's argmax plus the target's token, so the
     output is the target's own greedy decoding. Sampling: exact rejection sampling with the draft's probabilities
-    and the residual norm(max(0, p - q)), so outputs are distributed as the target's sampling with the same
-    warpers (note: `top_k=None` means no top-k, unlike transformers' generation default of 50).
+    and the residual norm(max(0, p - q)) (down a tree, each node's children in turn: `trees.sample_tree`), so
+    outputs are distributed as the target's sampling with the same warpers (note: `top_k=None` means no top-k,
+    unlike transformers' generation default of 50).
 
     Args:
         target: a Hugging Face causal LM; draft: its `DominoDraftModel`, or `None` for plain decoding (same engine,
@@ -440,9 +449,7 @@ def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[...,
         return None
     max_slots = _max_slots(setup, input_ids, num_nodes)
     attention = setup.target.config._attn_implementation
-    if setup.do_sample:
-        problem = "sampling verifies chains (exact rejection sampling over one draft per position)"
-    elif draft.head is None:
+    if draft.head is None:
         problem = "the draft has no Domino head to roll along each branch"
     elif attention not in ("eager", "sdpa"):
         problem = f"its {attention!r} attention takes no tree mask (eager and sdpa do)"
@@ -452,7 +459,7 @@ def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[...,
         embed_tokens = setup.target.get_input_embeddings()
 
         def grow(block, max_depth: int, branches: list[tuple[torch.Tensor, torch.Tensor]]) -> DraftTree:
-            tree = grow_tree(draft, block, embed_tokens, num_nodes, max_depth, options)
+            tree = grow_tree(draft, block, embed_tokens, num_nodes, max_depth, options, setup.sampling)
             return add_branch(tree, branches, num_nodes)
 
         return grow
@@ -544,9 +551,11 @@ def _verify(setup: _Setup, rows: _Rows, drafted: DraftRound, cache):
 
 
 def _accept(setup: _Setup, drafted: DraftRound, target_logits):
-    """Greedy matching (down a tree), or exact rejection sampling on processed logits: the accepted drafts `[B, S]`
-    (left-aligned), their count `[B]`, the target's next token `[B]`, and the verify slots holding committed tokens
-    `[B, S + 1]`."""
+    """Greedy matching, or exact rejection sampling on processed logits, along a chain or down a tree: the accepted
+    drafts `[B, S]` (left-aligned), their count `[B]`, the target's next token `[B]`, and the verify slots holding
+    committed tokens `[B, S + 1]`."""
+    if drafted.parents is not None and setup.do_sample:  # processes only the slots its rows reach
+        return sample_tree(drafted.tokens, drafted.parents, target_logits, setup.warpers, setup.generator)
     target_logits = process_logits(setup.warpers, target_logits)  # [B, S + 1, V]
     if drafted.parents is not None:
         return accept_tree(drafted.tokens, drafted.parents, target_logits)

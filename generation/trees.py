@@ -3,11 +3,13 @@
 The backbone runs once per round, as for a chain. The head is causal, so each branch gets its own corrected
 distribution: rolling the GRU along a branch's tokens over the backbone's states gives the distribution of that
 node's children. `grow_tree` adds nodes best first, by the probability the draft gives the path to each (the
-product of the head's probabilities along it), so every prefix of its nodes is a tree and the cost-aware length
-keeps the prefix that pays. Where the context's last tokens occurred before, the tokens that followed them there
-(prompt lookup) join the tree as one more branch (`add_branch`), with the probability the run's earlier looked-up
-tokens give each. Greedy verification follows the target's argmax down the tree (`accept_tree`): the
-output is the target's own greedy decoding.
+product of the head's probabilities along it, warped as the run samples), so every prefix of its nodes is a tree and
+the cost-aware length keeps the prefix that pays. Where the context's last tokens occurred before, the tokens that
+followed them there (prompt lookup) join the tree as one more branch (`add_branch`), with the probability the run's
+earlier looked-up tokens give each. Greedy verification follows the target's argmax down the tree (`accept_tree`):
+the output is the target's own greedy decoding. Sampled verification (`sample_tree`) tries each reached node's
+children in turn against what is left of the target's distribution there: the tree's tokens are chosen, not drawn,
+so each is a draft whose q is all on it, and the output is distributed as the target's own sampling.
 
 The verify pass reads `[anchor, node_1..node_N]`; each node attends to the committed cache and to its ancestors only
 (`tree_attention_mask`), at position anchor + depth. The engine keeps the accepted path's slots and masks the rest as
@@ -18,10 +20,12 @@ Shapes: B rows, N nodes, K children offered per node, V draft vocabulary, G GRU 
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessorList
 
-from ..drafting import DraftingOptions, DraftTree
+from ..drafting import DraftingOptions, DraftSampling, DraftTree
 from ..head_domino import block_inputs, gru_cell, input_gates, token_ids
 from ..modeling_domino import DominoBlock
+from .sampling import process_logits, sample
 
 CHILDREN_PER_NODE = 8  # each node offers its K likeliest next tokens; 8 accepts 2-4% more than 4 at 8 nodes, 16 no more
 
@@ -34,13 +38,15 @@ def grow_tree(
     num_nodes: int,
     max_depth: int,
     options: DraftingOptions | None = None,
+    sampling: DraftSampling | None = None,
 ) -> DraftTree:
     """A tree of `num_nodes` drafts per row, at most `max_depth` deep, from the backbone's `block`, with the head's
     weights laid out as `options` say (the draft's `drafting_options` by default).
 
     Best first: each step adds, in every row, the candidate with the highest path probability, runs the GRU on its
-    token from its parent's state, and offers its K likeliest children (the head's logits at the slot of its depth).
-    A row whose candidates run out adds nodes of path probability 0, which the cost-aware length leaves out.
+    token from its parent's state, and offers its K likeliest children (the head's logits at the slot of its depth,
+    with `sampling`'s temperature, top-k and top-p where the run samples, as the target's warpers shape what it
+    samples). A row whose candidates run out adds nodes of path probability 0, which the cost-aware length leaves out.
     """
     head = draft.head
     options = options or draft.drafting_options
@@ -58,7 +64,8 @@ def grow_tree(
         activation = F.silu(inputs.hidden_part[rows, slot] + projected[:, state_width:]).to(logits.dtype)  # [B, R]
         residual = activation @ weights.up_columns
         logits = torch.where((slot >= head.first_corrected_slot)[:, None], logits + residual, logits)
-        probs, indices = logits.float().softmax(-1).topk(CHILDREN_PER_NODE, dim=-1)
+        logits = logits.float() if sampling is None else sampling.warp(logits.float())
+        probs, indices = logits.softmax(-1).topk(CHILDREN_PER_NODE, dim=-1)
         probs = torch.where((depth < max_depth)[:, None], probs * path_prob[:, None], -1.0)  # none past the depth
         return indices, probs, projected
 
@@ -188,6 +195,49 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     return accepted, count, choice[rows, current], valid
 
 
+def sample_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    warpers: LogitsProcessorList,
+    generator: torch.Generator | None = None,
+):
+    """Exact speculative sampling down a tree whose tokens the draft chose rather than drew. From the anchor, each
+    reached node's children are tried in order, each accepted with the probability that the target's distribution
+    there, less the children already rejected, gives it; at the first node where none is (or a leaf), the next token
+    is drawn from what is left. Each child is a draft whose q is all on it (`certain_logits`), its residual
+    max(0, p - q) p without it, so every committed token is distributed as the target's, whichever tokens the tree
+    holds. For `tokens` and `parents` `[B, N]`, the target's raw logits `[B, N + 1, V]` at `[anchor, nodes]` (the
+    run's `warpers` process the slots reached only), returns what `accept_tree` returns."""
+    batch_size, num_nodes = tokens.shape
+    accepted = torch.zeros_like(tokens)
+    count = torch.zeros(batch_size, dtype=torch.long, device=tokens.device)
+    next_token = torch.zeros_like(count)
+    valid = torch.zeros(batch_size, num_nodes + 1, dtype=torch.bool, device=tokens.device)
+    valid[:, 0] = True
+    for row, (row_tokens, row_parents) in enumerate(zip(tokens.tolist(), parents.tolist())):
+        children = [[] for _ in range(num_nodes + 1)]  # per verify slot, in the order the tree added them
+        for node, parent in enumerate(row_parents):
+            children[parent].append(node + 1)
+        slot = 0
+        while True:
+            residual = process_logits(warpers, target_logits[row, slot]).double().softmax(-1)  # [V]
+            for child in children[slot]:
+                token = row_tokens[child - 1]
+                uniform = torch.rand((), generator=generator, dtype=torch.float64, device=residual.device)
+                if uniform * residual.sum() < residual[token]:  # strict: a token the target rules out never passes
+                    break
+                residual[token] = 0.0
+            else:
+                next_token[row] = sample(residual, generator)
+                break
+            accepted[row, count[row]] = token
+            count[row] += 1
+            valid[row, child] = True
+            slot = child
+    return accepted, count, next_token, valid
+
+
 def left_the_first_branch(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """`[B]`: whether a row's accepted path took a node other than its parent's first child (the draft's likeliest
     continuation there): a branch a chain would not have verified."""
@@ -204,6 +254,7 @@ __all__ = [
     "add_branch",
     "grow_tree",
     "left_the_first_branch",
+    "sample_tree",
     "tree_ancestry",
     "tree_attention_mask",
     "tree_depths",

@@ -133,6 +133,30 @@ def test_native_sampling_matches_target_distribution(models, name):
     assert_distributed_as(outcomes, exact, "native speculative sampling")
 
 
+@pytest.mark.parametrize("name", list(NATIVE_SETTINGS))
+def test_native_sampling_down_trees_matches_target_distribution(models, name):
+    """Trees of 6 nodes a round (the draft's likeliest tokens, verified by `trees.sample_tree`), every row its own."""
+    target, draft, prompt = models
+    settings, processors = NATIVE_SETTINGS[name]
+    exact = exact_joint_distribution(target, prompt, NUM_TOKENS, processors, eos_token_id=EOS)
+    output = speculative_generate(
+        target,
+        draft,
+        prompt.expand(NUM_NATIVE_SAMPLES, -1),
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(4),
+        options=DraftingOptions(draft_length="full", tree_nodes=6),
+        **settings,
+    )
+    assert output.tree_rounds > 0 and 0.15 < float(output.position_acceptance_rates[0]) < 0.95
+    assert output.branch_wins > 0  # rows accepted a node off the draft's likeliest branch
+    outcomes = _outcomes(output.sequences, prompt.shape[1], pad_token_id=0)
+    assert_distributed_as(outcomes, exact, f"native sampling down trees ({name})")
+
+
 @pytest.fixture(scope="module")
 def strong_head_draft(models):
     """A deliberately bad draft whose Domino head matters: every slot corrected, residual weights x 150.
@@ -436,9 +460,11 @@ def test_sampling_with_the_cost_aware_draft_length_matches_target_distribution(m
 
 
 # Every live token occurs inside the prompt, so every round of every row finds a repeat to look up; with a verify pass
-# that costs the same for any length and a dear drafting round, every round verifies looked-up tokens.
+# that costs the same for any length and a dear drafting round, every round of chains verifies looked-up tokens. With
+# a cheap drafting round, every round drafts a tree with the looked-up tokens as one more branch.
 LOOKUP_PROMPT = torch.tensor([[3, 17, 42, 77, 101, 3, 60, 42]])
-LOOKUP_ROUNDS = DraftingOptions(draft_length="cost", draft_costs=DraftCosts((1.0,) * 4, 1.0))
+LOOKUP_ROUNDS = DraftingOptions(draft_length="cost", draft_costs=DraftCosts((1.0,) * 4, 1.0), tree_nodes=0)
+LOOKUP_BRANCHES = DraftingOptions(draft_length="cost", draft_costs=DraftCosts((1.0,) * 7, 0.01), tree_nodes=6)
 
 
 def test_native_sampling_of_looked_up_rounds_matches_target_distribution(models):
@@ -467,6 +493,33 @@ def test_native_sampling_of_looked_up_rounds_matches_target_distribution(models)
         _outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0),
         exact,
         "native sampling of looked-up rounds",
+    )
+
+
+def test_native_sampling_down_trees_with_a_looked_up_branch_matches_target_distribution(models):
+    """A looked-up branch's tokens were not drawn either: nodes like any other to `trees.sample_tree`."""
+    target, draft, _ = models
+    processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
+    exact = exact_joint_distribution(target, LOOKUP_PROMPT, NUM_TOKENS, processors, eos_token_id=EOS)
+    output = speculative_generate(
+        target,
+        draft,
+        LOOKUP_PROMPT.expand(NUM_NATIVE_SAMPLES, -1),
+        max_new_tokens=NUM_TOKENS,
+        do_sample=True,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        temperature=0.7,
+        top_k=3,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(8),
+        options=LOOKUP_BRANCHES,
+    )
+    assert output.tree_rounds >= 2 and output.lookup_wins > 0  # rows took a node only the looked-up branch had
+    assert_distributed_as(
+        _outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0),
+        exact,
+        "native sampling down trees with a looked-up branch",
     )
 
 

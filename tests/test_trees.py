@@ -1,4 +1,5 @@
-"""Domino trees (`generation/trees.py`): one verify pass over a tree of drafts per row, greedy decoding unchanged.
+"""Domino trees (`generation/trees.py`): one verify pass over a tree of drafts per row, greedy decoding unchanged
+and sampling exact.
 
 The tiny targets here have a 12-token vocabulary, so a random draft's other branches often hold the target's token:
 rounds accept nodes off the draft's likeliest branch, which a chain would never have verified.
@@ -9,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from domino_spec import DraftCosts, DraftingOptions
 from domino_spec.drafting import AUTO_TREE_NODES, DraftTree
@@ -19,13 +21,14 @@ from domino_spec.generation.trees import (
     add_branch,
     grow_tree,
     left_the_first_branch,
+    sample_tree,
     tree_ancestry,
     tree_attention_mask,
     tree_depths,
 )
 
 from conftest import tiny_draft, tiny_target
-from speculative_helpers import random_prompts
+from speculative_helpers import chi_square_test, random_prompts
 
 VOCAB_SIZE = 12
 TREE = DraftingOptions(draft_length="full", tree_nodes=12, prompt_lookup=0)
@@ -67,6 +70,39 @@ def test_a_hand_made_tree_has_its_depths_ancestors_mask_and_accepted_path():
     assert count.tolist() == [2] and accepted[0, :2].tolist() == [7, 10] and next_token.tolist() == [3]
     assert valid[0].nonzero().flatten().tolist() == [0, 1, 4]
     assert left_the_first_branch(parents, valid).tolist() == [True]  # d is a's second child
+
+
+def test_sampling_down_a_hand_made_tree_draws_each_token_from_the_targets_distribution():
+    """The first committed token follows the target's (processed) distribution at the anchor, and where it is a node,
+    the second follows the distribution at that node: whether the tree holds the likely tokens (a: the anchor's),
+    unlikely ones (b), or one the target rules out (e, outside the top-k). A sampler that tried siblings against the
+    whole distribution instead of what is left of it, or kept rejected tokens in what is left, fails by a wide
+    margin."""
+    # anchor -> a (1), b (2), e (3); a -> c (4); c -> d (5)
+    parents = torch.tensor([[0, 0, 0, 1, 4]])
+    tokens = torch.tensor([[3, 5, 0, 2, 4]])
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)])
+    logits = torch.randn(1, 6, 6, generator=torch.Generator().manual_seed(0)) * 2  # [anchor, nodes] x 6 tokens
+    anchor = torch.tensor([1e-4, 0.01, 0.05, 0.5, 0.15, 0.3])  # a likely, b less, e ruled out by the top-k
+    logits[0, 0] = 0.7 * anchor.log()  # the temperature's undone: these are the anchor's probabilities
+    num_samples = 20000
+    batch = (tokens.expand(num_samples, -1), parents.expand(num_samples, -1), logits.expand(num_samples, -1, -1))
+    accepted, count, next_token, valid = sample_tree(*batch, warpers, torch.Generator().manual_seed(1))
+    probs = [warpers(None, slot[None])[0].softmax(-1).tolist() for slot in logits[0]]  # per verify slot
+    slot_of = {3: 1, 5: 2}  # the anchor's children whose own slot gives the next token
+    exact = {}
+    for first, p_first in enumerate(probs[0]):
+        for second, p_second in enumerate(probs[slot_of[first]]) if first in slot_of else [(None, 1.0)]:
+            exact[(first, second)] = p_first * p_second
+    samples = []
+    for row_accepted, row_count, row_next in zip(accepted.tolist(), count.tolist(), next_token.tolist()):
+        committed = row_accepted[:row_count] + [row_next]
+        samples.append((committed[0], committed[1] if committed[0] in slot_of else None))
+    assert all(sample in exact and exact[sample] > 0 for sample in samples)  # e is never accepted
+    statistic, bound = chi_square_test(samples, exact)
+    assert statistic < bound, f"chi-square {statistic:.1f} >= {bound:.1f}"
+    assert 0 < float((count >= 2).double().mean()) < 1  # rounds go past a and stop at c
+    assert (valid[:, 0]).all() and torch.equal(valid[:, 1:].sum(-1), count)
 
 
 def test_a_trees_first_branch_is_the_greedy_chain_and_path_probabilities_fall_along_it():
@@ -236,20 +272,22 @@ def eight_tokens(target, draft, prompt: torch.Tensor, do_sample: bool):
     )
 
 
-def test_sampling_verifies_chains_and_says_why():
+def test_sampled_rounds_verify_trees_too():
     target, draft = small_vocabulary_models("qwen3")
     draft.drafting_options = TREE
     prompt = random_prompts(1, seed=2, vocab_size=VOCAB_SIZE)[0]
-    with pytest.warns(UserWarning, match="tree_nodes=12: verifying chains instead, since sampling"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
         output = eight_tokens(target, draft, prompt, do_sample=True)
-    assert output.tree_rounds == 0 and output.num_new_tokens == [8]
+    assert output.tree_rounds > 0 and output.drafts_verified == 12 * output.tree_rounds
+    assert output.num_new_tokens == [8]
     with pytest.raises(ValueError, match="tree_nodes=-1 is invalid"):
         DraftingOptions(tree_nodes=-1)
 
 
 def test_by_default_cost_aware_greedy_rounds_verify_trees_and_others_chains_silently():
     """`tree_nodes=None` (the default): trees of up to `AUTO_TREE_NODES` where the length is cost-aware (on CPU) and
-    the run can verify them; chains, without a warning, where it verifies every draft or samples."""
+    the run can verify them, greedy or sampled; chains, without a warning, where it verifies every draft."""
     target, draft = small_vocabulary_models("qwen3")
     flat = DraftCosts(verify_seconds=(1.0,) * (AUTO_TREE_NODES + 1), draft_seconds=0.01)
     prompt = random_prompts(1, seed=6, vocab_size=VOCAB_SIZE)[0]
@@ -262,6 +300,6 @@ def test_by_default_cost_aware_greedy_rounds_verify_trees_and_others_chains_sile
     assert output.tree_rounds > 0 and output.drafts_verified > output.num_rounds * draft.config.num_draft_tokens
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
-        for options, do_sample in ((DraftingOptions(draft_length="full"), False), (draft.drafting_options, True)):
-            draft.drafting_options = options
-            assert eight_tokens(target, draft, prompt, do_sample).tree_rounds == 0
+        assert eight_tokens(target, draft, prompt, do_sample=True).tree_rounds > 0
+        draft.drafting_options = DraftingOptions(draft_length="full")
+        assert eight_tokens(target, draft, prompt, do_sample=False).tree_rounds == 0
