@@ -421,8 +421,8 @@ class DominoDraftModel(PreTrainedModel):
         if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
             return lm_head(hidden)[..., vocab]
         weight = self.derived.get(
-            "draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight.t()[:, vocab].contiguous()
-        )  # [D, V]
+            "draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight[vocab].t().contiguous()
+        )  # [D, V]: the rows gathered whole, then transposed, reads the head in memory order (its columns would not)
         logits = hidden @ weight  # [..., V]
         return logits if lm_head.bias is None else logits + lm_head.bias[vocab]
 

@@ -1,17 +1,19 @@
 """How many tokens a verify pass commits with trees against chains: the draft's acceptance, no timing.
 
     python benchmarks/tree_acceptance.py --output benchmarks/results/tree_acceptance_smollm2-135m.json
+    python benchmarks/tree_acceptance.py --temperature 0.7 --top-p 0.9 --output tree_acceptance_sampled.json
 
-Greedy decoding of a draft (`--draft`, the shipped one by default) in the native engine, per evaluation set (the
-bench's, and held-out reasoning prompts: reasoning-gym tasks no draft trained on), in four ways:
+Greedy decoding (or, with `--temperature`, sampling from one seeded generator per prompt) of a draft (`--draft`, the
+shipped one by default) in the native engine, per evaluation set (the bench's, and held-out reasoning prompts:
+reasoning-gym tasks no draft trained on), in four ways:
 - `chain`: every round verifies the whole block (`draft_length="full"`, prompt lookup off), the draft alone;
 - `tree N`: a tree of N nodes instead (`tree_nodes=N`), for each N in `--tree-nodes`;
 - `chain + lookup` and `tree N + lookup`: the same with prompt lookup, under costs that make every round draft and
   every node verified, so the counts do not depend on this machine's timings.
 
 Each variant's tau (tokens committed per verify pass), nodes verified per round, and the rounds whose accepted path
-left the draft's likeliest branch or took a looked-up node, and whether its outputs equal the chain's (every variant
-is greedy decoding, so they must). Writes JSON and Markdown. Timing and speed: `domino-spec bench --methods
+left the draft's likeliest branch or took a looked-up node, and, greedy, whether its outputs equal the chain's (every
+variant is greedy decoding, so they must). Writes JSON and Markdown. Timing and speed: `domino-spec bench --methods
 domino,domino-tree`.
 """
 
@@ -49,12 +51,30 @@ def variants(tree_nodes: list[int]) -> dict[str, DraftingOptions]:
     return chains | trees | looked_up
 
 
-def measure(target, draft, prompts: list[list[int]], options: DraftingOptions, max_new_tokens: int, eos) -> dict:
+def measure(
+    target,
+    draft,
+    prompts: list[list[int]],
+    options: DraftingOptions,
+    max_new_tokens: int,
+    eos,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> dict:
     committed = rounds = nodes = branch_wins = lookup_wins = 0
     outputs = []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {}
         output = speculative_generate(
-            target, draft, torch.tensor([prompt]), max_new_tokens=max_new_tokens, eos_token_id=eos, options=options
+            target,
+            draft,
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            options=options,
+            generator=torch.Generator().manual_seed(seed + index),
+            **sampling,
         )
         lengths = output.acceptance_lengths[0]
         committed, rounds = committed + sum(lengths), rounds + len(lengths)
@@ -80,9 +100,11 @@ def draft_folder(path: str) -> str:
 def markdown(report: dict) -> str:
     settings = report["settings"]
     names = list(next(iter(report["results"].values())))
+    decoding = "greedy" if float(settings["temperature"]) == 0 else f"temperature {settings['temperature']}"
+    decoding += "" if settings["top_p"] == "None" else f", top-p {settings['top_p']}"
     lines = [
         f"# Trees against chains: tau of the draft in `{draft_folder(settings['draft'])}` ({settings['target']}), "
-        "greedy, the first "
+        f"{decoding}, the first "
         f"{settings['limit']} prompts of each set, at most {settings['max_new_tokens']} new tokens",
         "",
         f"torch {report['versions']['torch']}, transformers {report['versions']['transformers']}. Each cell: tau "
@@ -98,7 +120,7 @@ def markdown(report: dict) -> str:
             result = results[name]
             chain = results["chain + lookup" if name.endswith("+ lookup") else "chain"]
             ratio = result["tau"] / chain["tau"]
-            same = "" if result["identical_to_chain"] else ", OUTPUTS DIFFER"
+            same = "" if result["identical_to_chain"] in (True, None) else ", OUTPUTS DIFFER"
             cells.append(
                 f"{result['tau']:.2f} ({ratio:.2f}x), {result['nodes_per_round']:.1f} nodes; "
                 f"{result['branch_wins']} / {result['lookup_wins']}{same}"
@@ -115,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit", type=int, default=8, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--tree-nodes", default="8,16", help="comma-separated tree budgets")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sample at this temperature")
+    parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
+    parser.add_argument("--seed", type=int, default=0, help="with --temperature: prompt i samples with seed + i")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "tree_acceptance.json")
     args = parser.parse_args(argv)
 
@@ -138,10 +163,21 @@ def main(argv: list[str] | None = None) -> dict:
         for eval_set in eval_sets:
             results = {}
             for name, options in all_variants.items():
-                results[name] = measure(target, draft, prompt_ids[eval_set], options, args.max_new_tokens, eos)
+                results[name] = measure(
+                    target,
+                    draft,
+                    prompt_ids[eval_set],
+                    options,
+                    args.max_new_tokens,
+                    eos,
+                    args.temperature,
+                    args.top_p,
+                    args.seed,
+                )
                 progress.update()
-            for result in results.values():
-                result["identical_to_chain"] = result["outputs"] == results["chain"]["outputs"]
+            for result in results.values():  # sampled outputs differ with the tokens each round draws
+                greedy = args.temperature == 0
+                result["identical_to_chain"] = result["outputs"] == results["chain"]["outputs"] if greedy else None
             report["results"][eval_set] = results
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(report, indent=1))  # what is measured so far survives an interruption

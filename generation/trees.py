@@ -215,13 +215,17 @@ def sample_tree(
     next_token = torch.zeros_like(count)
     valid = torch.zeros(batch_size, num_nodes + 1, dtype=torch.bool, device=tokens.device)
     valid[:, 0] = True
+    at_anchor = process_logits(warpers, target_logits[:, 0]).double().softmax(-1)  # [B, V]: every row starts there
     for row, (row_tokens, row_parents) in enumerate(zip(tokens.tolist(), parents.tolist())):
         children = [[] for _ in range(num_nodes + 1)]  # per verify slot, in the order the tree added them
         for node, parent in enumerate(row_parents):
             children[parent].append(node + 1)
         slot = 0
         while True:
-            residual = process_logits(warpers, target_logits[row, slot]).double().softmax(-1)  # [V]
+            if slot == 0:
+                residual = at_anchor[row].clone()  # [V]
+            else:
+                residual = process_logits(warpers, target_logits[row, slot]).double().softmax(-1)
             for child in children[slot]:
                 token = row_tokens[child - 1]
                 uniform = torch.rand((), generator=generator, dtype=torch.float64, device=residual.device)
