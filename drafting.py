@@ -58,8 +58,8 @@ class DraftingOptions:
     prompt_lookup: int = 3  # with a cost-aware length: rounds whose last tokens (up to this many) occurred before
     # verify what followed them there instead of drafting, where that pays (`cost_aware.prompt_lookup`); 0: off
     tree_nodes: int | None = None  # > 0: the native engine's rounds verify a tree of up to this many drafted
-    # tokens (`generation.trees`; with a cost-aware length, as many as pay); 0: a chain; None: `AUTO_TREE_NODES` with
-    # a cost-aware length where the run can verify trees, else chains (`tree_budget`). `generate` verifies chains
+    # tokens (`generation.trees`; with a cost-aware length, as many as pay); 0: a chain; None: `AUTO_TREE_NODES` in
+    # greedy runs with a cost-aware length that can verify trees, else chains (`tree_budget`). `generate`: chains
 
     def __post_init__(self):
         pool = self.candidate_pool
@@ -77,12 +77,13 @@ class DraftingOptions:
     def cost_aware(self, device: torch.device) -> bool:
         return self.draft_length == "cost" or (self.draft_length == "auto" and device.type == "cpu")
 
-    def tree_budget(self, device: torch.device) -> int:
+    def tree_budget(self, device: torch.device, do_sample: bool = False) -> int:
         """The most nodes a round's tree may have on `device` (0: chains): `tree_nodes`, or where it is None
-        `AUTO_TREE_NODES` with a cost-aware length (which keeps only the nodes that pay) and chains without one."""
+        `AUTO_TREE_NODES` in greedy runs with a cost-aware length (which keeps only the nodes that pay), else chains
+        (a sampled chain's drafts are draws, accepted more often than a tree's chosen tokens: BENCHMARKS.md)."""
         if self.tree_nodes is not None:
             return self.tree_nodes
-        return AUTO_TREE_NODES if self.cost_aware(device) else 0
+        return AUTO_TREE_NODES if self.cost_aware(device) and not do_sample else 0
 
 
 @dataclass(frozen=True)

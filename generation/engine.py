@@ -444,7 +444,7 @@ def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[...,
     """What grows a round's tree under `DraftingOptions.tree_budget`; None for chains, with a warning where the run
     asked for trees (`tree_nodes` > 0) that this target or decoding cannot verify."""
     draft, options = setup.draft, setup.options
-    num_nodes = options.tree_budget(setup.target.device) if draft is not None else 0
+    num_nodes = options.tree_budget(setup.target.device, setup.do_sample) if draft is not None else 0
     if num_nodes == 0:
         return None
     max_slots = _max_slots(setup, input_ids, num_nodes)

@@ -287,19 +287,22 @@ def test_sampled_rounds_verify_trees_too():
 
 def test_by_default_cost_aware_greedy_rounds_verify_trees_and_others_chains_silently():
     """`tree_nodes=None` (the default): trees of up to `AUTO_TREE_NODES` where the length is cost-aware (on CPU) and
-    the run can verify them, greedy or sampled; chains, without a warning, where it verifies every draft."""
+    the run can verify them and decodes greedily; chains, without a warning, where it verifies every draft or samples
+    (trees there only where `tree_nodes` asks for them)."""
     target, draft = small_vocabulary_models("qwen3")
     flat = DraftCosts(verify_seconds=(1.0,) * (AUTO_TREE_NODES + 1), draft_seconds=0.01)
     prompt = random_prompts(1, seed=6, vocab_size=VOCAB_SIZE)[0]
     assert DraftingOptions().tree_nodes is None
     assert DraftingOptions().tree_budget(torch.device("cpu")) == AUTO_TREE_NODES
     assert DraftingOptions().tree_budget(torch.device("cuda")) == 0  # "auto" verifies whole blocks there
+    assert DraftingOptions().tree_budget(torch.device("cpu"), do_sample=True) == 0
+    assert DraftingOptions(tree_nodes=8).tree_budget(torch.device("cpu"), do_sample=True) == 8
     draft.drafting_options = DraftingOptions(draft_costs=flat, prompt_lookup=0)
     output = speculative_generate(target, draft, prompt, max_new_tokens=16, eos_token_id=[])
     assert torch.equal(output.sequences, plain_greedy(target, prompt, 16))
     assert output.tree_rounds > 0 and output.drafts_verified > output.num_rounds * draft.config.num_draft_tokens
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
-        assert eight_tokens(target, draft, prompt, do_sample=True).tree_rounds > 0
-        draft.drafting_options = DraftingOptions(draft_length="full")
-        assert eight_tokens(target, draft, prompt, do_sample=False).tree_rounds == 0
+        for options, do_sample in ((DraftingOptions(draft_length="full"), False), (draft.drafting_options, True)):
+            draft.drafting_options = options
+            assert eight_tokens(target, draft, prompt, do_sample).tree_rounds == 0
