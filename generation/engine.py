@@ -442,7 +442,7 @@ def _max_slots(setup: _Setup, input_ids: torch.Tensor, tree_nodes: int) -> int:
 
 def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[..., DraftTree] | None:
     """What grows a round's tree under `DraftingOptions.tree_budget`; None for chains, with a warning where the run
-    asked for trees (`tree_nodes` > 0) that this target or decoding cannot verify."""
+    asked for trees (`tree_nodes` > 0) that this target cannot verify."""
     draft, options = setup.draft, setup.options
     num_nodes = options.tree_budget(setup.target.device, setup.do_sample) if draft is not None else 0
     if num_nodes == 0:
