@@ -9,7 +9,7 @@ Methods:
   prompt-lookup  transformers' prompt-lookup decoding (no draft model)
   dflash         the DFlash-only draft (head off) in the native engine
   domino-hf      Domino through target.generate(assistant_model=draft)
-  domino         Domino in the native engine, its defaults (on CPU, rounds verify trees)
+  domino         Domino in the native engine, its defaults (on CPU, greedy rounds verify trees)
   domino-chain   Domino in the native engine, chains only
   domino-tree    Domino in the native engine, trees of up to 16 nodes on any device
 
@@ -52,7 +52,7 @@ METHODS = {
     "prompt-lookup": "transformers' prompt lookup decoding",
     "dflash": "a backbone-only (DFlash) draft",
     "domino-hf": "the Domino draft through `target.generate(assistant_model=draft)`",
-    "domino": "the Domino draft in the native engine, its defaults (on CPU, rounds verify trees)",
+    "domino": "the Domino draft in the native engine, its defaults (on CPU, greedy rounds verify trees)",
     "domino-chain": "the Domino draft in the native engine, every round verifying a chain (`DraftingOptions("
     "tree_nodes=0)`)",
     "domino-alone": "the Domino draft in the native engine with prompt lookup off: every round drafted",
