@@ -95,3 +95,15 @@ def test_tree_acceptance_script_reports_trees_beside_chains_with_the_same_output
         assert all(result["identical_to_chain"] and result["tau"] >= 1.0 for result in results.values())
         assert results["chain"]["branch_wins"] == results["chain + lookup"]["branch_wins"] == 0  # chains, not trees
     assert output.with_suffix(".md").read_text().count("| gsm-symbolic |") == 1
+
+
+def test_tree_acceptance_script_samples_trees_and_chains_with_a_temperature(tmp_path):
+    output = tmp_path / "tree_acceptance_sampled.json"
+    report = load_benchmark("tree_acceptance").main(
+        ["--eval-sets", "gsm-symbolic", "--limit", "2", "--max-new-tokens", "16", "--tree-nodes", "8"]
+        + ["--temperature", "0.7", "--top-p", "0.9", "--output", str(output)]
+    )
+    results = report["results"]["gsm-symbolic"]
+    assert all(result["identical_to_chain"] is None and result["tau"] >= 1.0 for result in results.values())
+    assert results["tree 8"]["nodes_per_round"] > results["chain"]["nodes_per_round"] > 1.0
+    assert "temperature 0.7, top-p 0.9" in output.with_suffix(".md").read_text()
