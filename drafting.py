@@ -4,8 +4,7 @@ alike (`draft_round`).
 How many of a round's drafts to verify, and whether to draft at all, is a `DraftLengthPolicy`'s: the package's
 cost-aware draft length (`domino_spec.cost_aware`), or none, verifying every draft.
 
-Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and
-transformers.
+Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and transformers.
 """
 
 import time
@@ -48,13 +47,9 @@ class DraftingOptions:
 
     candidate_pool: int = 0  # > 0: greedy slots correct only their best base tokens, the rest get -inf (0: all)
     gate_table_max_bytes: int = 0  # > 0: each draft token's GRU input gates in a table, when at most this big
-    draft_length: str = (
-        "auto"  # "cost": verify as many drafts as pay (`cost_aware.choose_draft_length`); "full": all of them;
-    )
-    # "auto": "cost" on CPU, "full" on accelerators, where a verify pass costs about the same for any block
-    draft_costs: DraftCosts | None = (
-        None  # the costs "cost" weighs; None: learned from the rounds (`cost_aware.CostModel`)
-    )
+    draft_length: str = "auto"  # "cost": verify as many drafts as pay (`cost_aware.choose_draft_length`); "full": all
+    # of them; "auto": "cost" on CPU, "full" on accelerators, where a verify pass costs about the same for any block
+    draft_costs: DraftCosts | None = None  # the costs "cost" weighs; None: learned as it runs (`cost_aware.CostModel`)
     prompt_lookup: int = 3  # with a cost-aware length: rounds whose last tokens (up to this many) occurred before
     # verify what followed them there instead of drafting, where that pays (`cost_aware.prompt_lookup`); 0: off
     tree_nodes: int | None = None  # > 0: the native engine's rounds verify a tree of up to this many drafted

@@ -23,12 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3MLP,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    rotate_half,
-)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import ModelOutput
 
 from .cache_domino import DominoContextCache
@@ -55,8 +50,7 @@ class DominoOutput(ModelOutput):
 
     Args:
         logits (`torch.FloatTensor` of shape `(batch_size, num_blocks, num_draft_tokens, draft_vocab_size)`):
-            Final logits over the draft vocabulary: base logits plus the head's residual (`base_logits` without a
-            head).
+            Final logits over the draft vocabulary: base logits plus the head's residual (without a head, the base).
         base_logits (`torch.FloatTensor` of the same shape): the parallel backbone's logits.
     """
 
@@ -166,12 +160,9 @@ class DominoAttention(nn.Module):
         self.num_key_value_heads = config.num_key_value_heads
         self.attention_dropout = config.attention_dropout
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(
-            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.v_proj = nn.Linear(
-            config.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
+        key_value_width = self.num_key_value_heads * self.head_dim
+        self.k_proj = nn.Linear(config.hidden_size, key_value_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, key_value_width, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
