@@ -64,8 +64,8 @@ def measure(
 ) -> dict:
     committed = rounds = nodes = branch_wins = lookup_wins = 0
     outputs = []
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {}
     for index, prompt in enumerate(prompts):
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {}
         output = speculative_generate(
             target,
             draft,
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
                     args.seed,
                 )
                 progress.update()
-            for result in results.values():  # sampled outputs differ with the tokens each round draws
-                greedy = args.temperature == 0
+            greedy = args.temperature == 0  # sampled outputs differ with the tokens each round draws
+            for result in results.values():
                 result["identical_to_chain"] = result["outputs"] == results["chain"]["outputs"] if greedy else None
             report["results"][eval_set] = results
             args.output.parent.mkdir(parents=True, exist_ok=True)

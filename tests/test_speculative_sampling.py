@@ -467,9 +467,9 @@ LOOKUP_ROUNDS = DraftingOptions(draft_length="cost", draft_costs=DraftCosts((1.0
 LOOKUP_BRANCHES = DraftingOptions(draft_length="cost", draft_costs=DraftCosts((1.0,) * 7, 0.01), tree_nodes=6)
 
 
-def test_native_sampling_of_looked_up_rounds_matches_target_distribution(models):
-    """Looked-up tokens were not drawn from a distribution: q is all on them, and exact rejection sampling accepts
-    each with the target's probability of it, sampling the residual where it does not."""
+def looked_up_samples(models, options: DraftingOptions, seed: int):
+    """The batch of `NUM_NATIVE_SAMPLES` rows after `LOOKUP_PROMPT`, sampled with `options`, and the exact
+    distribution its outcomes must follow."""
     target, draft, _ = models
     processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
     exact = exact_joint_distribution(target, LOOKUP_PROMPT, NUM_TOKENS, processors, eos_token_id=EOS)
@@ -484,43 +484,26 @@ def test_native_sampling_of_looked_up_rounds_matches_target_distribution(models)
         temperature=0.7,
         top_k=3,
         top_p=0.9,
-        generator=torch.Generator().manual_seed(7),
-        options=LOOKUP_ROUNDS,
+        generator=torch.Generator().manual_seed(seed),
+        options=options,
     )
+    return output, _outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0), exact
+
+
+def test_native_sampling_of_looked_up_rounds_matches_target_distribution(models):
+    """Looked-up tokens were not drawn from a distribution: q is all on them, and exact rejection sampling accepts
+    each with the target's probability of it, sampling the residual where it does not."""
+    output, outcomes, exact = looked_up_samples(models, LOOKUP_ROUNDS, seed=7)
     assert output.looked_up_rounds >= 2  # every round with room for a draft
     assert 0.05 < float(output.position_acceptance_rates[0]) < 0.95, output.position_acceptance_rates
-    assert_distributed_as(
-        _outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0),
-        exact,
-        "native sampling of looked-up rounds",
-    )
+    assert_distributed_as(outcomes, exact, "native sampling of looked-up rounds")
 
 
 def test_native_sampling_down_trees_with_a_looked_up_branch_matches_target_distribution(models):
     """A looked-up branch's tokens were not drawn either: nodes like any other to `trees.sample_tree`."""
-    target, draft, _ = models
-    processors = NATIVE_SETTINGS["temperature-top_k-top_p"][1]
-    exact = exact_joint_distribution(target, LOOKUP_PROMPT, NUM_TOKENS, processors, eos_token_id=EOS)
-    output = speculative_generate(
-        target,
-        draft,
-        LOOKUP_PROMPT.expand(NUM_NATIVE_SAMPLES, -1),
-        max_new_tokens=NUM_TOKENS,
-        do_sample=True,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        temperature=0.7,
-        top_k=3,
-        top_p=0.9,
-        generator=torch.Generator().manual_seed(8),
-        options=LOOKUP_BRANCHES,
-    )
+    output, outcomes, exact = looked_up_samples(models, LOOKUP_BRANCHES, seed=8)
     assert output.tree_rounds >= 2 and output.lookup_wins > 0  # rows took a node only the looked-up branch had
-    assert_distributed_as(
-        _outcomes(output.sequences, LOOKUP_PROMPT.shape[1], pad_token_id=0),
-        exact,
-        "native sampling down trees with a looked-up branch",
-    )
+    assert_distributed_as(outcomes, exact, "native sampling down trees with a looked-up branch")
 
 
 def test_hf_path_sampling_of_looked_up_rounds_matches_target_distribution(models):
