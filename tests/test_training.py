@@ -1480,6 +1480,36 @@ def test_building_a_feature_store_over_another_is_refused_and_leaves_it_intact(t
         FeatureStore.build(target, dataset, [1, 3], str(store_dir))
 
 
+def test_a_store_of_grown_data_extends_the_store_of_its_first_examples(tmp_path, tiny_target_dir):
+    """`cache-features --extend OLD`: the store of data that grew holds the old store's examples and the new ones,
+    byte for byte what a build from scratch writes; a store of other data, layers or soft targets is refused."""
+    from domino_spec.cli import main
+
+    records = [
+        {"id": str(i), "prompt_ids": [3, 10 + i], "response_ids": list(range(20 + i, 27 + 2 * i))} for i in range(5)
+    ]
+    _write_jsonl(tmp_path / "old.jsonl", records[:3])
+    _write_jsonl(tmp_path / "grown.jsonl", records)
+    flags = ["--target", tiny_target_dir, "--draft_layers", "2", "--soft_targets", "4"]
+    main(["cache-features", *flags, "--data", str(tmp_path / "old.jsonl"), "--output", str(tmp_path / "old")])
+    grown = [*flags, "--data", str(tmp_path / "grown.jsonl")]
+    main(["cache-features", *grown, "--output", str(tmp_path / "extended"), "--extend", str(tmp_path / "old")])
+    main(["cache-features", *grown, "--output", str(tmp_path / "scratch")])
+    index = json.loads((tmp_path / "scratch" / "index.json").read_text())
+    assert json.loads((tmp_path / "extended" / "index.json").read_text()) == index and len(index["offsets"]) == 6
+    for name in ("features.bin", "top_ids.bin", "top_probs.bin"):
+        assert (tmp_path / "extended" / name).read_bytes() == (tmp_path / "scratch" / name).read_bytes(), name
+    _write_jsonl(tmp_path / "reordered.jsonl", records[::-1])
+    refusals = {
+        "data other examples, not the first 3 of --data": [*flags, "--data", str(tmp_path / "reordered.jsonl")],
+        r"top_k 4, not 2": [*grown, "--soft_targets", "2"],
+        r"layer_ids \[.*\], not \[0, 1\]": [*grown, "--target_layer_ids", "0,1"],
+    }
+    for reason, refused in refusals.items():
+        with pytest.raises(ValueError, match=rf"--extend .* is not a store of the start of this data .*{reason}"):
+            main(["cache-features", *refused, "--output", str(tmp_path / "refused"), "--extend", str(tmp_path / "old")])
+
+
 def test_a_draft_vocabulary_trained_from_the_responses_and_narrowed_by_the_draft_vocab_command(
     tmp_path, tiny_target_dir
 ):

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,14 +181,19 @@ class FeatureStore:
             )
 
     @staticmethod
-    def build(target, dataset, layer_ids: list[int], directory: str, top_k: int = 0) -> "FeatureStore":
+    def build(
+        target, dataset, layer_ids: list[int], directory: str, top_k: int = 0, extends: str | None = None
+    ) -> "FeatureStore":
         """Compute and write the features of every example (with `top_k`, soft targets of that many tokens too);
-        resumes an interrupted build where it stopped."""
+        resumes an interrupted build where it stopped. `extends`, a complete store of the first examples of
+        `dataset` (the same data before more was added), is copied and only the examples after them are computed."""
         os.makedirs(directory, exist_ok=True)
         index_path = os.path.join(directory, "index.json")
         identity = {"layer_ids": list(layer_ids), "fingerprint": dataset_fingerprint(dataset)}
         identity["target"] = target_signature(target)
         identity.update({"top_k": top_k} if top_k else {})
+        if extends and not os.path.exists(index_path):
+            _copy_prefix_store(extends, dataset, identity, directory)
         index = _resumable_index(index_path, identity, directory)
         done = len(index["offsets"]) - 1
         widths = {"features.bin": index.get("width", 0)}
@@ -220,6 +226,31 @@ class FeatureStore:
             _sync(outputs.values())
         _write_json(index_path, index)
         return FeatureStore(directory)
+
+
+def _copy_prefix_store(source: str, dataset, identity: dict, directory: str) -> None:
+    """Start the store of `identity` in `directory` from the complete store `source` of a prefix of `dataset`:
+    its files, and an index of that prefix under the new identity (written last, so an interrupted copy redoes it)."""
+    store = FeatureStore(source)
+    wanted = {"layer_ids": identity["layer_ids"], "target": identity["target"], "top_k": identity.get("top_k", 0)}
+    stored = {"layer_ids": store.layer_ids, "target": store.index["target"], "top_k": store.top_k}
+    prefix = dataset.select(range(min(len(store), len(dataset))))
+    if len(store) > len(dataset) or store.index["fingerprint"] != dataset_fingerprint(prefix):
+        stored["data"] = "other examples"
+        wanted["data"] = f"the first {len(store)} of --data"
+    differences = [f"{key} {stored[key]}, not {wanted[key]}" for key in wanted if stored.get(key) != wanted[key]]
+    if differences:
+        raise ValueError(
+            f"--extend {source} is not a store of the start of this data with the same layers and target "
+            f"({'; '.join(differences)}): pass a store built from the first examples of --data (the data before "
+            "more pieces were added), or build this store from scratch without --extend"
+        )
+    for name in STORE_DTYPES if store.top_k else ["features.bin"]:
+        shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+    _write_json(
+        os.path.join(directory, "index.json"),
+        {**identity, "offsets": store.offsets, "width": store.width, "complete": False},
+    )
 
 
 def _resumable_index(index_path: str, identity: dict, directory: str) -> dict:

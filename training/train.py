@@ -175,13 +175,15 @@ def read_config_file(path: str) -> dict:
 
 
 def parse_train_arguments(
-    argv: list[str], prog: str = "domino-spec train", description: str | None = None
-) -> tuple[DraftArguments, DominoTrainingArguments]:
+    argv: list[str], prog: str = "domino-spec train", description: str | None = None, extra_arguments: tuple = ()
+) -> tuple:
+    """`(draft_args, training_args, *extra)`: train's flags, and those of each dataclass in `extra_arguments`."""
     description = description or (
         "Train a Domino draft for a target on regenerated data: every transformers TrainingArguments flag works, "
         "--config recipe.yaml takes the same flags (the command line wins), and rerunning resumes."
     )
-    parser = HfArgumentParser((DraftArguments, DominoTrainingArguments), prog=prog, description=description)
+    argument_types = (DraftArguments, DominoTrainingArguments, *extra_arguments)
+    parser = HfArgumentParser(argument_types, prog=prog, description=description)
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags win")
     parser.add_argument("--output", dest="output_dir", default=argparse.SUPPRESS, help="alias of --output_dir")
     # Without a GPU, train on the CPU explicitly: multi-process CPU runs (accelerate launch --cpu) need it.
@@ -207,8 +209,8 @@ def parse_train_arguments(
         for action in parser._actions:  # a value from the file satisfies a required flag
             if action.dest in values:
                 action.required = False
-    draft_args, training_args, _ = parser.parse_args_into_dataclasses(args=argv)
-    return draft_args, training_args
+    *parsed, _ = parser.parse_args_into_dataclasses(args=argv)
+    return tuple(parsed)
 
 
 def main(argv: list[str]) -> None:

@@ -3,15 +3,16 @@
 # Rerun it after an interruption: regeneration, feature caching, training and scoring resume; finished steps are kept.
 # The costly state lives in the repository: the regenerated conversations (recipes/smollm2-135m/data, committed piece
 # by piece as each lands) and the shipped drafts. Each session regenerates the pieces of 250 prompts up to PIECES
-# (default 28: the 4,000 prompts the shipped drafts first trained on, then 3,000 new ones), then trains the shipped
-# drafts STEPS more steps (default 2500) on every committed piece. A session that ends first keeps its finished
-# pieces, and the next goes on from them. COMMIT=0 leaves the new pieces and drafts uncommitted.
+# (default 40: the 4,000 prompts the shipped drafts first trained on, then 6,000 new ones), then trains the shipped
+# drafts STEPS more steps (default 5000, an epoch of ~10,000 conversations) on every committed piece. A session that
+# ends first keeps its finished pieces, and the next goes on from them. COMMIT=0 leaves the new pieces and drafts
+# uncommitted.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RECIPE=recipes/smollm2-135m
 RUN=runs/smollm2
-PIECES=${PIECES:-28}
-STEPS=${STEPS:-2500}
+PIECES=${PIECES:-40}
+STEPS=${STEPS:-5000}
 COMMIT=${COMMIT:-1}
 mkdir -p $RUN
 [ -f $RUN/prompts.jsonl ] || python $RECIPE/prepare_prompts.py --output $RUN/prompts.jsonl \
@@ -21,25 +22,30 @@ python $RECIPE/pieces.py regenerate --prompts $RUN/prompts.jsonl --pieces "$PIEC
 # The training data: every committed piece, whichever session regenerated it.
 NAME=$(ls $RECIPE/data/piece-*.json | wc -l)pieces
 DATA=$RUN/data_$NAME.jsonl
-FEATURES=$RUN/features_$NAME
+FEATURES=$RUN/features_${NAME}_soft16
 [ -f $DATA ] || python $RECIPE/pieces.py build --prompts $RUN/prompts.jsonl --output $DATA
 domino-spec generate-data --target smollm2-135m --prompts $RUN/held_out_prompts.jsonl --output $RUN/held_out.jsonl \
     --max-new-tokens 256 --batch-size 48 --limit 100
-# The target's features of every conversation, one prefill each: ~11 minutes per 1,000 conversations on a 2-core CPU
-# (the target's peak there), so a session that regenerates and caches many pieces may not also train and bench.
-domino-spec cache-features --config $RECIPE/train.yaml --data $DATA --output $FEATURES
+# The target's features of every conversation and its 16 likeliest next tokens (the soft targets the drafts learn
+# from), one prefill each: ~11 minutes per 1,000 conversations on a 2-core CPU (the target's peak there). The store
+# of fewer pieces, where one is kept, holds the first conversations already: only the new pieces' are computed.
+EXTEND=$(ls -d $RUN/features_*pieces_soft16 2>/dev/null | grep -vx "$FEATURES" | sort -V | tail -1 || true)
+domino-spec cache-features --config $RECIPE/train.yaml --data $DATA --output $FEATURES --soft_targets 16 \
+    ${EXTEND:+--extend $EXTEND}
 # The shipped drafts, with and without the Domino head (same data, steps and seed), go on training at once: their
 # weights, a fresh optimizer and a short warm-up, their curves counting steps, examples and CPU-hours on from those
 # that shipped them ($RECIPE/shipped_curve.txt). The DFlash-only draft trains from scratch where none was kept.
 # Another `--variant "NAME=TRAIN FLAGS"` adds a recipe change to compare, e.g. "block-16=--block_size 16" (a fresh
-# draft), "soft-targets=--soft_targets 16" (its store from `cache-features ... --soft_targets 16`, another --output).
+# draft), "hard-labels=--soft_targets 0" (the target's greedy tokens alone).
 # The cheaper labels keep ShareGPT's own answers to the same prompts and learn the target from its soft targets over
 # them (one prefill per conversation, no decoding): prepare_prompts.py --kept-output $RUN/kept_conversations.jsonl,
 # then `domino-spec generate-data --keep-responses --prompts $RUN/kept_conversations.jsonl --output $RUN/kept.jsonl
 # --max-new-tokens 256`, `cache-features --data $RUN/kept.jsonl --soft_targets 16` and a variant with --data, --features
 # and --soft_targets 16 of its own, compared at equal CPU-hours on the same held-out proxy (learning_curve.py
 # --label-cpu-hours NAME=HOURS counts what labelling each variant's data cost: the pieces' manifests for regenerated data).
+# Each leg reads the data in another order (its seed, the piece count) at a third of the first leg's learning rate.
 WARM="--warmup_steps 100"
+LEG="--soft_targets 16 --learning_rate 0.0002 --seed ${NAME%pieces}"
 PREVIOUS=$(cat $RECIPE/shipped_curve.txt)
 DFLASH=$RECIPE/dflash-bf16
 DFLASH_FROM=$([ -d $DFLASH ] && echo "--init_from $DFLASH $WARM" || true)
@@ -47,10 +53,10 @@ CURVES=$RUN/curves_${NAME}_${STEPS}steps
 CURVE=benchmarks/results/learning_curve_smollm2-135m_${NAME}_${STEPS}steps.json
 [ "$CURVE" != "$PREVIOUS" ] || { echo "the shipped drafts already trained $STEPS steps on $NAME: regenerate more"; exit 1; }
 python benchmarks/learning_curve.py --config $RECIPE/train.yaml --data $DATA --features $FEATURES \
-    --eval-data $RUN/held_out.jsonl --steps $STEPS --eval-every 625 --tau-prompts 2 --tau-tokens 96 \
+    --eval-data $RUN/held_out.jsonl --steps $STEPS --eval-every $((STEPS / 4)) --tau-prompts 2 --tau-tokens 96 \
     --runs $CURVES --parallel --continues "$PREVIOUS" \
-    --variant "domino=--init_from checkpoints/domino-smollm2-135m $WARM" \
-    --variant "dflash=--use_domino_head false $DFLASH_FROM" --output $CURVE
+    --variant "domino=--init_from checkpoints/domino-smollm2-135m $WARM $LEG" \
+    --variant "dflash=--use_domino_head false $DFLASH_FROM $LEG" --output $CURVE
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
 python $RECIPE/ship.py $CURVES/domino checkpoints/domino-smollm2-135m --curve $CURVE
 python $RECIPE/ship.py $CURVES/dflash $DFLASH --curve $CURVE
