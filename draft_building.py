@@ -145,4 +145,23 @@ def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int
     return restricted.train(draft.training)
 
 
-__all__ = ["config_for_target", "copy_target_layers", "from_target", "set_draft_vocab", "with_draft_vocab"]
+@torch.no_grad()
+def backbone_only(draft: DominoDraftModel) -> DominoDraftModel:
+    """A DFlash-only draft of `draft`'s backbone: the same weights without the Domino head (the head's twin at equal
+    data and steps when both go on training)."""
+    config = type(draft.config).from_dict({**draft.config.to_dict(), "use_domino_head": False})
+    backbone = type(draft)._from_config(config, dtype=draft.dtype).to(draft.fc.weight.device)  # RoPE stays in fp32
+    state_dict = {name: value for name, value in draft.state_dict().items() if not name.startswith("head.")}
+    backbone.load_state_dict(state_dict)
+    backbone.drafting_options = draft.drafting_options
+    return backbone.train(draft.training)
+
+
+__all__ = [
+    "backbone_only",
+    "config_for_target",
+    "copy_target_layers",
+    "from_target",
+    "set_draft_vocab",
+    "with_draft_vocab",
+]

@@ -93,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the results JSON of the session the --init_from variants go on from",
     )
     parser.add_argument(
+        "--continues-curve",
+        action="append",
+        default=[],
+        metavar="NAME=CURVE",
+        help="the curve in --continues that variant NAME goes on from, where its draft is another curve's (a "
+        "DFlash-only twin started from the Domino draft's backbone: dflash=domino; repeatable)",
+    )
+    parser.add_argument(
         "--label-cpu-hours",
         action="append",
         default=[],
@@ -108,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--label-cpu-hours takes NAME=HOURS, e.g. regenerated=1.16")
     if unknown := set(args.label_cpu_hours) - set(args.variant):
         parser.error(f"--label-cpu-hours names no --variant: {', '.join(sorted(unknown))}")
+    args.continues_curve = dict(pair.split("=", 1) for pair in args.continues_curve)
+    if unknown := set(args.continues_curve) - set(args.variant):
+        parser.error(f"--continues-curve names no --variant: {', '.join(sorted(unknown))}")
     return args
 
 
@@ -136,9 +147,13 @@ def starts(args: argparse.Namespace) -> dict[str, dict]:
     for name, flags in args.variant.items():
         if not warm_started(flags):
             continue
-        if not previous["curves"].get(name):
-            raise SystemExit(f"--continues {args.continues} has no curve {name!r} for the variant to go on from")
-        found[name] = max(previous["curves"][name].values(), key=lambda point: point["step"])
+        curve = args.continues_curve.get(name, name)
+        if not previous["curves"].get(curve):
+            raise SystemExit(
+                f"--continues {args.continues} has no curve {curve!r} for the variant {name} to go on from: pass "
+                f"--continues-curve {name}=CURVE, the curve of the draft it starts from"
+            )
+        found[name] = max(previous["curves"][curve].values(), key=lambda point: point["step"])
     return found
 
 

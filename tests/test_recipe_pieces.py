@@ -90,7 +90,7 @@ def test_a_piece_of_another_target_or_of_other_prompts_is_an_error(pieces, tmp_p
         pieces.regenerate(regenerate_args(tmp_path, 2))
 
 
-def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_curve(tmp_path):
+def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_curve(tmp_path, capsys):
     learning_curve = load_benchmark("learning_curve")
     previous = tmp_path / "previous.json"
     points = {
@@ -131,9 +131,20 @@ def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_cu
     results = {"curves": {"domino": {"checkpoint-5": {"step": 1005}}}, "starts": starts}
     assert [point["step"] for point in learning_curve.curve(results, "domino")] == [1000, 1005]
 
+    # A twin started from the Domino draft's backbone goes on from the Domino draft's curve.
+    previous.write_text(json.dumps({"curves": {"domino": points}, "recipe": scoring}))
+    argv[-1] = "dflash=--init_from checkpoints/draft --use_domino_head false"
+    with pytest.raises(SystemExit, match="has no curve 'dflash' .* --continues-curve dflash=CURVE"):
+        learning_curve.starts(learning_curve.parse_args(argv))
+    twin = learning_curve.starts(learning_curve.parse_args([*argv, "--continues-curve", "dflash=domino"]))
+    assert twin["dflash"] == twin["domino"] == starts["domino"]
+
     argv[argv.index("--variant") + 1] = "ablation=--init-from=checkpoints/draft"
     with pytest.raises(SystemExit, match="has no curve 'ablation'"):
         learning_curve.starts(learning_curve.parse_args(argv))
+    with pytest.raises(SystemExit):
+        learning_curve.parse_args([*argv, "--continues-curve", "domino=dflash"])
+    assert "--continues-curve names no --variant: domino" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="was scored with another tau_tokens"):
         learning_curve.starts(learning_curve.parse_args([*argv, "--tau-tokens", "96"]))
 

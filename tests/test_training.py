@@ -718,7 +718,7 @@ def test_train_arguments_from_yaml_refuse_unknown_keys_and_take_the_output_alias
     assert training_args.output_dir == str(tmp_path / "o") and draft_args.target_layer_ids == "1,3"
 
 
-def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_fp32_weights(tmp_path):
+def test_init_from_keeps_the_drafts_shape_or_its_backbone_refuses_other_shape_flags_and_trains_fp32_weights(tmp_path):
     from domino_spec.training.train import DraftArguments, build_draft
 
     target = tiny_target("llama")
@@ -726,10 +726,19 @@ def test_init_from_keeps_the_drafts_shape_refuses_other_shape_flags_and_trains_f
     draft_args = DraftArguments(target="t", data="d", init_from=str(tmp_path / "draft"), block_size=4)
     draft = build_draft(draft_args, target, tiny_tokenizer())
     assert draft.config.block_size == 4 and draft.dtype == torch.float32  # master weights, as a fresh draft's
-    draft_args.block_size, draft_args.use_domino_head = 8, False
-    with pytest.raises(
-        ValueError, match=r"block_size=8 \(the draft has 4\); use_domino_head=False \(the draft has True\)"
-    ):
+    draft_args.block_size = 8
+    with pytest.raises(ValueError, match=r"block_size=8 \(the draft has 4\)\. Drop those flags"):
+        build_draft(draft_args, target, tiny_tokenizer())
+    # --use_domino_head false starts from the backbone alone: the DFlash-only twin of a Domino draft.
+    draft_args.block_size, draft_args.use_domino_head = 4, False
+    backbone = build_draft(draft_args, target, tiny_tokenizer())
+    assert backbone.head is None and not backbone.config.use_domino_head and backbone.dtype == torch.float32
+    kept = {name: value for name, value in draft.state_dict().items() if not name.startswith("head.")}
+    assert backbone.state_dict().keys() == kept.keys()
+    assert all(torch.equal(backbone.state_dict()[name], value) for name, value in kept.items())
+    backbone.save_pretrained(tmp_path / "backbone")
+    draft_args.init_from, draft_args.use_domino_head = str(tmp_path / "backbone"), True
+    with pytest.raises(ValueError, match=r"use_domino_head=True \(the draft has False\)"):
         build_draft(draft_args, target, tiny_tokenizer())
 
 

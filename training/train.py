@@ -18,7 +18,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser, set_seed
 
-from ..draft_building import copy_target_layers, from_target
+from ..draft_building import backbone_only, copy_target_layers, from_target
 from ..modeling_domino import DominoDraftModel
 from ..published_format import check_draft_folder, load_draft
 from ..targets import load_target, pad_token_id
@@ -74,7 +74,13 @@ class DraftArguments:
             "target's whole vocabulary). Far cheaper drafting and training on CPU; the target still verifies all."
         },
     )
-    init_from: str | None = field(default=None, metadata={"help": "Start from this draft folder instead of random."})
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start from this draft folder instead of random (with --use_domino_head false, from its backbone "
+            "alone)."
+        },
+    )
     init_from_target_layers: bool = field(
         default=False,
         metadata={"help": "Start a fresh draft's layers as the target's last layers (the weights they share)."},
@@ -122,6 +128,8 @@ def build_draft(draft_args: DraftArguments, target, tokenizer, dataset=None) -> 
     shape = draft_shape(draft_args)
     if draft_args.init_from:
         draft = load_draft(draft_args.init_from)
+        if draft.config.use_domino_head and shape.get("use_domino_head") is False:
+            draft = backbone_only(draft)
         conflicts = [
             f"{name}={value} (the draft has {getattr(draft.config, name)})"
             for name, value in shape.items()

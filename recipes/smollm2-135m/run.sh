@@ -34,7 +34,8 @@ domino-spec cache-features --config $RECIPE/train.yaml --data $DATA --output $FE
     ${EXTEND:+--extend $EXTEND}
 # The shipped drafts, with and without the Domino head (same data, steps and seed), go on training at once: their
 # weights, a fresh optimizer and a short warm-up, their curves counting steps, examples and CPU-hours on from those
-# that shipped them ($RECIPE/shipped_curve.txt). The DFlash-only draft trains from scratch where none was kept.
+# that shipped them ($RECIPE/shipped_curve.txt). Where no DFlash-only draft was kept, its first leg starts from the
+# Domino draft's backbone (its curve going on from the Domino draft's): the twin at equal data and steps.
 # Another `--variant "NAME=TRAIN FLAGS"` adds a recipe change to compare, e.g. "block-16=--block_size 16" (a fresh
 # draft), "hard-labels=--soft_targets 0" (the target's greedy tokens alone).
 # The cheaper labels keep ShareGPT's own answers to the same prompts and learn the target from its soft targets over
@@ -48,15 +49,16 @@ WARM="--warmup_steps 100"
 LEG="--soft_targets 16 --learning_rate 0.0002 --seed ${NAME%pieces}"
 PREVIOUS=$(cat $RECIPE/shipped_curve.txt)
 DFLASH=$RECIPE/dflash-bf16
-DFLASH_FROM=$([ -d $DFLASH ] && echo "--init_from $DFLASH $WARM" || true)
+TWIN=$([ -d $DFLASH ] && echo $DFLASH || echo checkpoints/domino-smollm2-135m)
+TWIN_CURVE=$([ -d $DFLASH ] && echo dflash || echo domino)
 CURVES=$RUN/curves_${NAME}_${STEPS}steps
 CURVE=benchmarks/results/learning_curve_smollm2-135m_${NAME}_${STEPS}steps.json
 [ "$CURVE" != "$PREVIOUS" ] || { echo "the shipped drafts already trained $STEPS steps on $NAME: regenerate more"; exit 1; }
 python benchmarks/learning_curve.py --config $RECIPE/train.yaml --data $DATA --features $FEATURES \
     --eval-data $RUN/held_out.jsonl --steps $STEPS --eval-every $((STEPS / 4)) --tau-prompts 2 --tau-tokens 96 \
-    --runs $CURVES --parallel --continues "$PREVIOUS" \
+    --runs $CURVES --parallel --continues "$PREVIOUS" --continues-curve dflash=$TWIN_CURVE \
     --variant "domino=--init_from checkpoints/domino-smollm2-135m $WARM $LEG" \
-    --variant "dflash=--use_domino_head false $DFLASH_FROM $LEG" --output $CURVE
+    --variant "dflash=--init_from $TWIN --use_domino_head false $WARM $LEG" --output $CURVE
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
 python $RECIPE/ship.py $CURVES/domino checkpoints/domino-smollm2-135m --curve $CURVE
 python $RECIPE/ship.py $CURVES/dflash $DFLASH --curve $CURVE
