@@ -55,7 +55,7 @@ CURVES=$RUN/curves_${NAME}_${STEPS}steps
 CURVE=benchmarks/results/learning_curve_smollm2-135m_${NAME}_${STEPS}steps.json
 [ "$CURVE" != "$PREVIOUS" ] || { echo "the shipped drafts already trained $STEPS steps on $NAME: regenerate more"; exit 1; }
 python benchmarks/learning_curve.py --config $RECIPE/train.yaml --data $DATA --features $FEATURES \
-    --eval-data $RUN/held_out.jsonl --steps $STEPS --eval-every $((STEPS / 4)) --tau-prompts 2 --tau-tokens 96 \
+    --eval-data $RUN/held_out.jsonl --steps $STEPS --eval-every $((STEPS / 2)) --tau-prompts 2 --tau-tokens 96 \
     --runs $CURVES --parallel --continues "$PREVIOUS" --continues-curve dflash=$TWIN_CURVE \
     --variant "domino=--init_from checkpoints/domino-smollm2-135m $WARM $LEG" \
     --variant "dflash=--init_from $TWIN --use_domino_head false $WARM $LEG" --output $CURVE
