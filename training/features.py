@@ -245,6 +245,7 @@ def _copy_prefix_store(source: str, dataset, identity: dict, directory: str) -> 
             f"({'; '.join(differences)}): pass a store built from the first examples of --data (the data before "
             "more pieces were added), or build this store from scratch without --extend"
         )
+    print(f"copying the features of the first {len(store)} examples from {source}")
     for name in STORE_DTYPES if store.top_k else ["features.bin"]:
         shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
     _write_json(
