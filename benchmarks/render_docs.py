@@ -36,6 +36,7 @@ EVAL_SET_NAMES = {
     "humaneval": "HumanEval",
     "humaneval-long": "HumanEval-long",
     "gsm-symbolic": "gsm_symbolic",
+    "reasoning-held-out": "held-out reasoning",
 }
 # The README table's columns: (method, heading), in this order, where the bench ran the method.
 SUMMARY_METHODS = (

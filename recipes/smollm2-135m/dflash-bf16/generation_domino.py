@@ -1,0 +1,1 @@
+../../../generation_domino.py

@@ -1,0 +1,1 @@
+../../../head_domino.py
