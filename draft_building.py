@@ -134,27 +134,29 @@ def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int
             f"a draft vocabulary must lie within the draft's own ({current.numel()} tokens): the head has no "
             "residual row for the others."
         )
-    config = type(draft.config).from_dict({**draft.config.to_dict(), "draft_vocab_size": token_ids.numel()})
-    restricted = type(draft)._from_config(config, dtype=draft.dtype).to(draft.fc.weight.device)  # RoPE stays in fp32
-    set_draft_vocab(restricted, token_ids)
-    state_dict = {**draft.state_dict(), "draft_vocab": restricted.draft_vocab}
+    state_dict = {**draft.state_dict(), "draft_vocab": token_ids}
     if draft.head is not None:
         state_dict["head.embed_proj.2.weight"] = state_dict["head.embed_proj.2.weight"][rows]
-    restricted.load_state_dict(state_dict)
-    restricted.drafting_options = draft.drafting_options
-    return restricted.train(draft.training)
+    restricted = _rebuilt(draft, {"draft_vocab_size": token_ids.numel()}, state_dict)
+    set_draft_vocab(restricted, token_ids)  # checks them: distinct ids of the vocabulary
+    return restricted
 
 
 @torch.no_grad()
 def backbone_only(draft: DominoDraftModel) -> DominoDraftModel:
     """A DFlash-only draft of `draft`'s backbone: the same weights without the Domino head (the head's twin at equal
     data and steps when both go on training)."""
-    config = type(draft.config).from_dict({**draft.config.to_dict(), "use_domino_head": False})
-    backbone = type(draft)._from_config(config, dtype=draft.dtype).to(draft.fc.weight.device)  # RoPE stays in fp32
     state_dict = {name: value for name, value in draft.state_dict().items() if not name.startswith("head.")}
-    backbone.load_state_dict(state_dict)
-    backbone.drafting_options = draft.drafting_options
-    return backbone.train(draft.training)
+    return _rebuilt(draft, {"use_domino_head": False}, state_dict)
+
+
+def _rebuilt(draft: DominoDraftModel, config_changes: dict, state_dict: dict) -> DominoDraftModel:
+    """A draft of `draft`'s config with `config_changes`, holding `state_dict`, with its drafting options and mode."""
+    config = type(draft.config).from_dict({**draft.config.to_dict(), **config_changes})
+    rebuilt = type(draft)._from_config(config, dtype=draft.dtype).to(draft.fc.weight.device)  # RoPE stays in fp32
+    rebuilt.load_state_dict(state_dict)
+    rebuilt.drafting_options = draft.drafting_options
+    return rebuilt.train(draft.training)
 
 
 __all__ = [
