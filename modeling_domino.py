@@ -237,6 +237,15 @@ def _index_of(token_ids: torch.Tensor, vocab_size: int, missing: int) -> torch.T
     return index_of.index_copy_(0, token_ids, torch.arange(token_ids.numel(), device=token_ids.device))
 
 
+def transposed_rows(weight: torch.Tensor, rows: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """`weight[rows].t()`, contiguous `[D, len(rows)]`, gathered `chunk` rows at a time: each row is read whole (in
+    memory order, unlike a column gather), and the result is the only fresh memory (a first call faults it in)."""
+    transposed = weight.new_empty(weight.shape[1], rows.shape[0])
+    for start in range(0, rows.shape[0], chunk):
+        transposed[:, start : start + chunk] = weight[rows[start : start + chunk]].t()
+    return transposed
+
+
 def _model_name(name_or_path: str) -> str:
     """A model's name without its folder or Hub organisation: a local copy and the Hub id compare equal."""
     return os.path.basename(name_or_path.rstrip("/")).lower()
@@ -412,8 +421,8 @@ class DominoDraftModel(PreTrainedModel):
         if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
             return lm_head(hidden)[..., vocab]
         weight = self.derived.get(
-            "draft_lm_head", (lm_head.weight, vocab), lambda: lm_head.weight[vocab].t().contiguous()
-        )  # [D, V]: the rows gathered whole, then transposed, reads the head in memory order (its columns would not)
+            "draft_lm_head", (lm_head.weight, vocab), lambda: transposed_rows(lm_head.weight, vocab)
+        )
         logits = hidden @ weight  # [..., V]
         return logits if lm_head.bias is None else logits + lm_head.bias[vocab]
 
@@ -703,4 +712,5 @@ __all__ = [
     "DominoOutput",
     "block_attention_mask",
     "flex_block_attention_mask",
+    "transposed_rows",
 ]
