@@ -2,8 +2,10 @@
 
 The training file lists its prompts in the order the recipe regenerates them, chunk by chunk: first the `--first`
 prompts of the original recipe (2,400 ShareGPT and 1,600 gsm_symbolic prompts, shuffled), then the rest of a larger
-pool of `--sharegpt` and `--gsm` prompts, shuffled. The held-out file holds `--held-out` ShareGPT prompts outside the
-pool, for scoring drafts on regenerated data they never trained on. Every evaluation prompt of `domino-spec bench` is
+pool of `--sharegpt` and `--gsm` prompts, shuffled, then `--more-sharegpt` ShareGPT prompts from outside that pool,
+shuffled: data added at the end, so the prompts before keep their place. The held-out file holds `--held-out` ShareGPT
+prompts outside the pool (and outside the prompts added after it), for scoring drafts on regenerated data they never
+trained on. Every evaluation prompt of `domino-spec bench` is
 excluded, and both files are checked for overlap with them (exact match of the normalised user turn).
 
 The order is deterministic: seeded shuffles of lists, never of sets, so the file is byte-identical across runs and
@@ -65,6 +67,9 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=2000, help="prompts of the original recipe's pool first")
     parser.add_argument("--sharegpt", type=int, default=6500, help="ShareGPT prompts in the pool")
     parser.add_argument("--gsm", type=int, default=4000, help="gsm_symbolic training problems in the pool")
+    parser.add_argument(
+        "--more-sharegpt", type=int, default=4000, help="ShareGPT prompts from outside the pool, appended after it"
+    )
     parser.add_argument("--held-out", type=int, default=200, help="held-out ShareGPT prompts")
     parser.add_argument("--max-chars", type=int, default=2000, help="skip longer ShareGPT prompts")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,6 +91,15 @@ def main() -> None:
     training_turns = {user_turn(record) for record in training}
     unseen = (p for p in sharegpt[args.sharegpt :] if normalise(p.messages[-1]["content"]) not in training_turns)
     held_out = [{"id": f"held-out-{p.id}", "messages": p.messages} for p in itertools.islice(unseen, args.held_out)]
+    taken = training_turns | {user_turn(record) for record in held_out}
+    more = []
+    for prompt in sharegpt[args.sharegpt :]:
+        if len(more) < args.more_sharegpt and (turn := normalise(prompt.messages[-1]["content"])) not in taken:
+            more.append({"id": f"sharegpt-{prompt.id}", "messages": prompt.messages})
+            taken.add(turn)
+    random.Random(args.seed).shuffle(more)
+    training += more
+    training_turns |= {user_turn(record) for record in more}
 
     if overlap := [r["id"] for r in training + held_out if user_turn(r) in evaluation]:
         raise SystemExit(f"evaluation prompts leaked into the recipe's prompts: {overlap[:5]}")
@@ -99,7 +113,8 @@ def main() -> None:
         kept = [{**conversations[r["id"]], "id": r["id"]} for r in training if r["id"] in conversations]
         write_jsonl(args.kept_output, kept)
     print(
-        f"{len(training)} training prompts ({len(first)} of the original pool first), {len(held_out)} held out; "
+        f"{len(training)} training prompts ({len(first)} of the original pool first, {len(more)} added after it), "
+        f"{len(held_out)} held out; "
         f"0 overlap with {len(evaluation)} evaluation prompts -> {args.output}"
     )
 

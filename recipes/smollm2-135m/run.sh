@@ -3,20 +3,21 @@
 # Rerun it after an interruption: regeneration, feature caching, training and scoring resume; finished steps are kept.
 # The costly state lives in the repository: the regenerated conversations (recipes/smollm2-135m/data, committed piece
 # by piece as each lands) and the shipped drafts. Each session regenerates the pieces of 250 prompts up to PIECES
-# (default 40: the 4,000 prompts the shipped drafts first trained on, then 6,000 new ones), then trains the shipped
-# drafts STEPS more steps (default 5000, an epoch of ~10,000 conversations) on every committed piece. A session that
+# (default 56: the 4,000 prompts the shipped drafts first trained on, then 6,000, then 4,000 ShareGPT prompts added
+# after the pool), then trains the shipped drafts STEPS more steps (default 5000: 10,000 conversations) on every
+# committed piece. A session that
 # ends first keeps its finished pieces, and the next goes on from them. COMMIT=0 leaves the new pieces and drafts
 # uncommitted.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RECIPE=recipes/smollm2-135m
 RUN=runs/smollm2
-PIECES=${PIECES:-40}
+PIECES=${PIECES:-56}
 STEPS=${STEPS:-5000}
 COMMIT=${COMMIT:-1}
 mkdir -p $RUN
-[ -f $RUN/prompts.jsonl ] || python $RECIPE/prepare_prompts.py --output $RUN/prompts.jsonl \
-    --held-out-output $RUN/held_out_prompts.jsonl
+# Written each time (the same bytes, a few seconds): prompts added at its end reach a machine that has the file.
+python $RECIPE/prepare_prompts.py --output $RUN/prompts.jsonl --held-out-output $RUN/held_out_prompts.jsonl
 # The target's responses, greedy, 256 tokens at most, 250 prompts a piece; committed pieces are skipped.
 python $RECIPE/pieces.py regenerate --prompts $RUN/prompts.jsonl --pieces "$PIECES" $([ "$COMMIT" = 1 ] && echo --commit)
 # The training data: every committed piece, whichever session regenerated it.
