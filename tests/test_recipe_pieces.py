@@ -16,8 +16,8 @@ from conftest import load_benchmark
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
 
 
-def load_pieces():
-    spec = importlib.util.spec_from_file_location("recipe_pieces", RECIPE / "pieces.py")
+def load_recipe_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -26,7 +26,7 @@ def load_pieces():
 @pytest.fixture
 def pieces(monkeypatch):
     """pieces.py with a fixed fingerprint, 2 prompts a piece, and `generate-data` answering every prompt."""
-    module = load_pieces()
+    module = load_recipe_module("pieces")
     monkeypatch.setattr(module, "PIECE_SIZE", 2)
     monkeypatch.setattr(module, "fingerprint", lambda: {"target": "t", "gguf_sha256": "a", "generation": {}})
     regenerated = []
@@ -108,9 +108,10 @@ def test_prompts_added_after_the_pool_leave_every_earlier_prompt_and_the_held_ou
     after, held_out_after = prepare("after", 40)
     assert after[: len(before)] == before and len(after) == len(before) + 40
     assert held_out_after == held_out_before
-    turns = [" ".join(json.loads(line)["messages"][-1]["content"].split()).lower() for line in after]
+    user_turn = load_recipe_module("prepare_prompts").user_turn
+    turns = [user_turn(json.loads(line)) for line in after]
     added, earlier = turns[len(before) :], set(turns[: len(before)])
-    held_out_turns = {" ".join(json.loads(line)["messages"][-1]["content"].split()).lower() for line in held_out_after}
+    held_out_turns = {user_turn(json.loads(line)) for line in held_out_after}
     assert len(set(added)) == 40 and not set(added) & (earlier | held_out_turns)
 
 

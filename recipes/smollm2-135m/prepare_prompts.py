@@ -5,8 +5,8 @@ prompts of the original recipe (2,400 ShareGPT and 1,600 gsm_symbolic prompts, s
 pool of `--sharegpt` and `--gsm` prompts, shuffled, then `--more-sharegpt` ShareGPT prompts from outside that pool,
 shuffled: data added at the end, so the prompts before keep their place. The held-out file holds `--held-out` ShareGPT
 prompts outside the pool (and outside the prompts added after it), for scoring drafts on regenerated data they never
-trained on. Every evaluation prompt of `domino-spec bench` is
-excluded, and both files are checked for overlap with them (exact match of the normalised user turn).
+trained on. Every evaluation prompt of `domino-spec bench` is excluded, and both files are checked for overlap with
+them (exact match of the normalised user turn).
 
 The order is deterministic: seeded shuffles of lists, never of sets, so the file is byte-identical across runs and
 hash seeds, and piece N of the recipe's committed data (pieces.py) is always the same prompts. Changing the pool, its

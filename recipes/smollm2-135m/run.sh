@@ -5,9 +5,8 @@
 # by piece as each lands) and the shipped drafts. Each session regenerates the pieces of 250 prompts up to PIECES
 # (default 56: the 4,000 prompts the shipped drafts first trained on, then 6,000, then 4,000 ShareGPT prompts added
 # after the pool), then trains the shipped drafts STEPS more steps (default 5000: 10,000 conversations) on every
-# committed piece. A session that
-# ends first keeps its finished pieces, and the next goes on from them. COMMIT=0 leaves the new pieces and drafts
-# uncommitted.
+# committed piece. A session that ends first keeps its finished pieces, and the next goes on from them. COMMIT=0
+# leaves the new pieces and drafts uncommitted.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RECIPE=recipes/smollm2-135m
