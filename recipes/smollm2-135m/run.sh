@@ -62,9 +62,12 @@ python benchmarks/learning_curve.py --config $RECIPE/train.yaml --data $DATA --f
 # Both drafts in bf16, as shipped; the bench results then go on the shipped model card.
 python $RECIPE/ship.py $CURVES/domino checkpoints/domino-smollm2-135m --curve $CURVE
 python $RECIPE/ship.py $CURVES/dflash $DFLASH --curve $CURVE
-# --quality scores HumanEval by running SmolLM2's programs here, in the sandbox the README describes.
-domino-spec bench --domino checkpoints/domino-smollm2-135m --dflash $DFLASH --limit 10 --max-new-tokens 128 \
-    --quality --allow-code-execution --output $RUN/bench
+# The README's bench: every method beside the twin, on the bench sets and held-out reasoning prompts. --quality scores
+# HumanEval by running SmolLM2's programs here, in the sandbox the README describes.
+domino-spec bench --domino checkpoints/domino-smollm2-135m --dflash $DFLASH \
+    --eval-sets mt-bench,humaneval,gsm-symbolic,reasoning-held-out --limit 10 --max-new-tokens 128 --quality \
+    --allow-code-execution --methods plain-eager,plain,plain-native,prompt-lookup,dflash,domino-hf,domino,domino-alone \
+    --output $RUN/bench
 cp $RUN/bench/bench_results.json benchmarks/results/bench_smollm2-135m.json
 cp $RUN/bench/bench_results.md benchmarks/results/bench_smollm2-135m.md
 cp $RUN/bench/bench_acceptance.png benchmarks/results/bench_smollm2-135m_acceptance.png
