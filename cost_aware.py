@@ -351,17 +351,21 @@ class CostAwareDrafting:
         return looked_up if looked_up is not None else sequences[0].new_zeros(len(sequences), 0)
 
     def _look_up(self, sequences: list[torch.Tensor], limit: int, costs: DraftCosts) -> torch.Tensor | None:
-        """The looked-up tokens `[B, k]` to verify where they pay, else None. Where a round verifies none, how far
-        they would have been accepted is learned from the tokens it commits (`accepted`), so a process learns that a
-        text's repeats miss without verifying them."""
+        """The looked-up tokens `[B, k]` to verify where they pay for every row, else None, searching no row past the
+        first where they do not (a wide batch's rounds would pay for every row's search). Where a round verifies
+        none, how far the searched rows' tokens would have been accepted is learned from the tokens it commits
+        (`accepted`), so a process learns that a text's repeats miss without verifying them."""
         self.looked_up, self.branches = [], []
         if self.max_ngram_size == 0 or limit == 0:
             return None
-        found = self._repeats(sequences, limit)
-        lengths = [self._lookup_length(size, tokens.shape[0], costs) if size else 0 for size, tokens in found]
-        if min(lengths) == 0:
-            self.branches = found
-            return None
+        found, lengths = [], []
+        for sequence in sequences:
+            size, tokens = prompt_lookup(sequence, self.max_ngram_size, limit)[::-1]
+            found.append((size, tokens))
+            lengths.append(self._lookup_length(size, tokens.shape[0], costs) if size else 0)
+            if lengths[-1] == 0:
+                self.branches = found
+                return None
         self.looked_up = [size for size, _ in found]
         return torch.stack([tokens[: min(lengths)] for _, tokens in found])
 
@@ -369,11 +373,8 @@ class CostAwareDrafting:
         """For a tree round: each row's looked-up tokens `[L]` (`prompt_lookup`; L <= `limit`, 0 where none) and
         the probability `[L]` of accepting each with those before it, from the run's earlier looked-up tokens. How
         far the branch would have been accepted is learned from the committed tokens (`accepted`)."""
-        self.branches = self._repeats(sequences, limit)
+        self.branches = [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
         return [(tokens, self._lookup_reach(size, tokens.shape[0])) for size, tokens in self.branches]
-
-    def _repeats(self, sequences: list[torch.Tensor], limit: int) -> list[tuple[int, torch.Tensor]]:
-        return [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
 
     def drafted(self, seconds: float, batch_size: int) -> None:
         """A drafting round of `batch_size` rows took `seconds`."""

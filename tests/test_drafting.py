@@ -568,6 +568,18 @@ def test_repeats_a_round_passed_over_are_checked_against_the_tokens_it_committed
     assert looked_up.shape[1] >= 3
 
 
+def test_a_batch_searches_no_row_for_repeats_past_the_first_whose_repeat_does_not_pay():
+    """One row without a paying repeat decides that the round verifies none, so a wide batch's plain rounds search one
+    row, not every row; the rows searched before it still learn from the tokens the round commits."""
+    repeat_of_two, no_repeat = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2]), torch.tensor([1, 2, 3])
+    drafting = CostAwareDrafting(STEEP, prompt_lookup=2)
+    assert drafting.plan([repeat_of_two, no_repeat, repeat_of_two, repeat_of_two], limit=4) is None
+    assert [size for size, _ in drafting.branches] == [2, 0]
+    reached_before = drafting.lookup_reached.clone()
+    drafting.accepted(0, [0] * 4, committed=torch.tensor([[3], [7], [3], [3]]))
+    assert (drafting.lookup_reached - reached_before).sum() == 1  # the first row's repeat, checked once
+
+
 def test_generate_checks_the_repeats_its_rounds_pass_over_against_the_tokens_they_commit():
     """`target.generate(assistant_model=draft)` learns how far the repeats its rounds did not verify would have been
     accepted, as the engine does: with looked-up tokens priced out, its rounds still count them."""
