@@ -360,7 +360,7 @@ class CostAwareDrafting:
             return None
         found, lengths = [], []
         for sequence in sequences:
-            size, tokens = prompt_lookup(sequence, self.max_ngram_size, limit)[::-1]
+            size, tokens = self._repeat(sequence, limit)
             found.append((size, tokens))
             lengths.append(self._lookup_length(size, tokens.shape[0], costs) if size else 0)
             if lengths[-1] == 0:
@@ -373,8 +373,11 @@ class CostAwareDrafting:
         """For a tree round: each row's looked-up tokens `[L]` (`prompt_lookup`; L <= `limit`, 0 where none) and
         the probability `[L]` of accepting each with those before it, from the run's earlier looked-up tokens. How
         far the branch would have been accepted is learned from the committed tokens (`accepted`)."""
-        self.branches = [prompt_lookup(sequence, self.max_ngram_size, limit)[::-1] for sequence in sequences]
+        self.branches = [self._repeat(sequence, limit) for sequence in sequences]
         return [(tokens, self._lookup_reach(size, tokens.shape[0])) for size, tokens in self.branches]
+
+    def _repeat(self, sequence: torch.Tensor, limit: int) -> tuple[int, torch.Tensor]:
+        return prompt_lookup(sequence, self.max_ngram_size, limit)[::-1]
 
     def drafted(self, seconds: float, batch_size: int) -> None:
         """A drafting round of `batch_size` rows took `seconds`."""
