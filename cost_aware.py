@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from .drafting import DraftCosts, DraftingOptions
 from .machine import cache_path, machine_key, read_cache, write_cache
@@ -274,6 +275,8 @@ class CostAwareDrafting:
     MAX_SKIPPED = 16
     EXPLORATION_SHARE = 0.02
     CLEAR_LOSS = 0.9  # a realized gain below this is a loss, not the swing of the timings behind it
+    DRAFT_MARGIN = 2  # a round drafts this many times the tokens recent rounds would verify: room for a better round
+    MIN_DRAFTED = 4
 
     def __init__(
         self,
@@ -369,6 +372,16 @@ class CostAwareDrafting:
         self.looked_up = [size for size, _ in found]
         return torch.stack([tokens[: min(lengths)] for _, tokens in found])
 
+    def worth_drafting(self, batch_size: int) -> int | None:
+        """How many tokens (a chain's slots, a tree's drafted nodes) a round of `batch_size` rows drafts: `DRAFT_MARGIN`
+        times as many as the recent rounds' reach would verify at this batch size's costs, at least `MIN_DRAFTED`;
+        None (all) before this process drafted. The LM head's rows and the head's steps cost per drafted token, and
+        where drafting barely pays (a wide batch, a text the draft guesses badly) a round verifies few of them."""
+        if self.expected is None:
+            return None
+        verified = _best_length(self.expected[None], self._cost_model(batch_size).costs())
+        return max(self.MIN_DRAFTED, self.DRAFT_MARGIN * verified)
+
     def lookup_branch(self, sequences: list[torch.Tensor], limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For a tree round: each row's looked-up tokens `[L]` (`prompt_lookup`; L <= `limit`, 0 where none) and
         the probability `[L]` of accepting each with those before it, from the run's earlier looked-up tokens. How
@@ -416,6 +429,10 @@ class CostAwareDrafting:
         the costs at its batch size."""
         costs = self._cost_model(reach.shape[0]).costs()
         recent = reach.mean(0)
+        if self.expected is not None:  # rounds draft as many tokens as seemed worth it: one not drafted counts as 0
+            width = max(recent.shape[0], self.expected.shape[0])
+            recent = F.pad(recent, (0, width - recent.shape[0]))
+            self.expected = F.pad(self.expected, (0, width - self.expected.shape[0]))
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
         self.pays = self._drafting_pays(costs, reach.shape[0])
         self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self._longest_wait(costs))

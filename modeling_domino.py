@@ -554,9 +554,12 @@ class DominoDraftModel(PreTrainedModel):
         past_key_values: DominoContextCache,
         embed_tokens: nn.Module,
         lm_head: nn.Module,
+        num_slots: int | None = None,
     ) -> DominoBlock:
         """The backbone's pass over `[anchor, MASK...]` after the cached context, and its base logits: a drafting
-        round before the head (`draft_block` = `extend_context`, this, then the head)."""
+        round before the head (`draft_block` = `extend_context`, this, then the head). With `num_slots`, only the
+        first that many draft slots get base logits (the backbone still reads the whole block, as in training): a
+        round that drafts fewer tokens pays for fewer rows of the LM head."""
         batch_size = anchor_ids.shape[0]
         block_size = self.config.block_size
         block_ids = anchor_ids.new_full((batch_size, block_size), self.config.mask_token_id)
@@ -570,7 +573,8 @@ class DominoDraftModel(PreTrainedModel):
         block_embeds = embed_tokens(block_ids)
         compiled = self.__dict__.get("_compiled_drafting")  # `domino_spec.generation.compile_drafting`: not saved
         backbone = self.backbone if compiled is None else compiled.backbone
-        draft_hidden = self._draft_slots(backbone(block_embeds, position_ids, context, mask))  # [B, S, D]
+        block_hidden = backbone(block_embeds, position_ids, context, mask)
+        draft_hidden = self._draft_slots(block_hidden)[:, :num_slots]  # [B, S, D]
         return DominoBlock(self.base_logits(draft_hidden, lm_head).float(), draft_hidden, block_embeds[:, 0])
 
     @torch.no_grad()
@@ -590,6 +594,7 @@ class DominoDraftModel(PreTrainedModel):
         generator: torch.Generator | None = None,
         options: DraftingOptions | None = None,
         sampling: DraftSampling | None = None,
+        num_slots: int | None = None,
     ) -> DominoDraft:
         r"""
         One drafting round: append the new context, run the backbone once over `[anchor, MASK...]`, then the head.
@@ -608,6 +613,7 @@ class DominoDraftModel(PreTrainedModel):
             sampling (`DraftSampling`, *optional*): sample each draft from its logits over the draft vocabulary with
                 these temperature, top-k and top-p instead (as cheap as greedy drafting; `do_sample` and
                 `logits_processor` are then unused).
+            num_slots (`int`, *optional*): draft only the block's first that many tokens (default: all).
         """
         if anchor_ids.ndim != 1 or anchor_position_ids.shape != anchor_ids.shape:
             # The block is built here from one anchor per row; a longer block input would silently misalign.
@@ -624,7 +630,7 @@ class DominoDraftModel(PreTrainedModel):
                 "draft_block needs target context: pass `target_hidden` (the target's tapped hidden states of the "
                 "prompt) on the first call."
             )
-        block = self.block_logits(anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head)
+        block = self.block_logits(anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head, num_slots)
         choose = None
         if sampling is None and (logits_processor is not None or do_sample):
             choose = slot_chooser(prefix_ids, logits_processor, do_sample, generator)

@@ -354,6 +354,20 @@ def test_calibration_scales_confidences_by_how_often_drafts_were_accepted():
     assert choose_draft_length(sure * drafting.calibration, STEEP) == 0 and drafting.length(sure, limit=4) == 0
 
 
+def test_a_round_drafts_twice_what_recent_rounds_would_verify():
+    costs = DraftCosts(verify_seconds=tuple(1.0 + k / 10 for k in range(17)), draft_seconds=0.1)
+    drafting = CostAwareDrafting(costs)
+    assert drafting.worth_drafting(batch_size=1) is None  # nothing drafted yet: the whole block
+    drafting.tree_size(torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]]))  # all six pay
+    assert drafting.worth_drafting(batch_size=1) == 12
+    for _ in range(8):  # rounds whose tokens the costs make worth verifying only the first of
+        drafting.length(torch.tensor([[0.9, 0.05, 0.05, 0.05]]), limit=4)
+        drafting.accepted(2, [1])
+    assert drafting.worth_drafting(batch_size=1) == CostAwareDrafting.MIN_DRAFTED
+    drafting.tree_size(torch.full((1, 6), 0.95))  # a round drafted few; the count recovers by doubling
+    assert drafting.worth_drafting(batch_size=1) == 12
+
+
 def test_draft_sampling_draws_from_the_logits_it_returns():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
     sampling = DraftSampling(temperature=0.7, top_k=3, top_p=0.9)
@@ -517,7 +531,8 @@ def test_a_draft_that_skipped_rounds_keeps_its_context_whole():
             assert 1 < len(rounds) < 31, len(rounds)  # some rounds drafted, some skipped
             for anchor_position, block in rounds:
                 fresh = draft_from_scratch(draft, target, sequences[:, : anchor_position + 1])
-                assert torch.equal(block.tokens, fresh.tokens), (path, anchor_position)
+                drafted = block.tokens.shape[1]  # rounds that seemed worth fewer drafts draft the block's first ones
+                assert torch.equal(block.tokens, fresh.tokens[:, :drafted]), (path, anchor_position)
 
 
 def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_repeated_ending():

@@ -132,6 +132,16 @@ def test_context_in_rounds_equals_context_at_once(family, dtype):
     torch.testing.assert_close(rounds.logits, at_once.logits, **tolerances(dtype))
 
 
+def test_a_block_of_fewer_slots_drafts_the_whole_blocks_first_tokens(family):
+    setup = make_setup(family)
+    whole = setup.draft_block(setup.cache([(0, ANCHOR)]))
+    cache = setup.cache([(0, ANCHOR)])
+    anchor, position = setup.input_ids[:, ANCHOR], setup.position_ids[:, ANCHOR]
+    first = setup.draft.draft_block(anchor, position, cache, setup.embed_tokens, setup.lm_head, num_slots=3)
+    assert first.tokens.shape == (1, 3) and torch.equal(first.tokens, whole.tokens[:, :3])
+    torch.testing.assert_close(first.logits, whole.logits[:, :3])
+
+
 def test_the_tapped_layers_alone_give_the_features_every_layer_gives(family, dtype):
     setup = make_setup(family, dtype)
     layer_ids = setup.draft.config.target_layer_ids
