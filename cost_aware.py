@@ -257,7 +257,9 @@ class CostAwareDrafting:
     the recent confidences (an average that halves the weight of each older round) would commit more tokens per second
     than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or more where a
     look (a drafting round and a verify pass) costs so much of a step that looking would take over `EXPLORATION_SHARE`
-    of the time (a wide batch).
+    of the time (a wide batch). Where the recent rounds' own confidences make drafting lose clearly (`CLEAR_LOSS`: a
+    text the draft guesses badly), it waits that longest at once; each call's first round that may draft looks where
+    a look is cheaper than a plain step, since a call brings new text (`start_call`).
     Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
     from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where they lost
     clearly (`CLEAR_LOSS`) and a look costs more than a plain step, a process arriving at that batch size, new or not,
@@ -293,6 +295,7 @@ class CostAwareDrafting:
         self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
         self.expected: torch.Tensor | None = None  # [S]: recent rounds' calibrated reach (`expected_rates`), per token
         self.pays, self.skipped, self.wait = True, 0, 1
+        self.new_call = False  # set by `start_call`, until the call's first round that may draft
         # Per batch size: drafted rounds' tokens per second over plain steps', as they turned out (a running average;
         # a batch size without rounds of its own goes by the nearest one's), from earlier processes' rounds on.
         self.realized_gain: dict[int, float] = {} if realized_gain is None else realized_gain
@@ -344,6 +347,9 @@ class CostAwareDrafting:
             # than a plain step (a wide batch): look again as seldom as the exploration budget allows at once, not
             # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
             self.wait = max(self.wait, self._longest_wait(costs))
+        if self.new_call and self._look_steps(costs) <= 1:  # a cheap look: the call's text may be one that pays
+            self.skipped = max(self.skipped, self.wait)
+        self.new_call = False
         drafts = self.pays or self.skipped >= self.wait
         if tree and drafts:
             return None  # the tree takes the looked-up tokens as a branch (`lookup_branch`)
@@ -434,8 +440,13 @@ class CostAwareDrafting:
             recent = F.pad(recent, (0, width - recent.shape[0]))
             self.expected = F.pad(self.expected, (0, width - self.expected.shape[0]))
         self.expected = recent if self.expected is None else (self.expected + recent) / 2
-        self.pays = self._drafting_pays(costs, reach.shape[0])
-        self.skipped, self.wait = 0, 1 if self.pays else min(2 * self.wait, self._longest_wait(costs))
+        self.pays, self.skipped = self._drafting_pays(costs, reach.shape[0]), 0
+        if self.pays:
+            self.wait = 1
+        elif self._predicted_gain(costs) < self.CLEAR_LOSS:  # this text's drafts lose clearly, whatever the timings
+            self.wait = self._longest_wait(costs)
+        else:
+            self.wait = min(2 * self.wait, self._longest_wait(costs))
         return costs
 
     def _longest_wait(self, costs: DraftCosts) -> int:
@@ -453,8 +464,11 @@ class CostAwareDrafting:
     def _drafting_pays(self, costs: DraftCosts, batch_size: int) -> bool:
         """Whether a round with the recent rounds' reach commits tokens faster than a plain step, and drafted rounds
         at this batch size did, as they turned out (where the draft's confidence misleads, e.g. a wide batch)."""
-        predicted = max(expected_rates(self.expected[None], costs)) > 1 / costs.verify_seconds[0]
-        return predicted and self._delivered(batch_size)
+        return self._predicted_gain(costs) > 1 and self._delivered(batch_size)
+
+    def _predicted_gain(self, costs: DraftCosts) -> float:
+        """The tokens per second a round with the recent rounds' reach is expected to commit, over a plain step's."""
+        return max(expected_rates(self.expected[None], costs)) * costs.verify_seconds[0]
 
     def _delivered(self, batch_size: int) -> bool:
         """Whether drafted rounds at the batch size nearest `batch_size` (rows leave a batch) committed tokens at
@@ -511,6 +525,12 @@ class CostAwareDrafting:
                 positions = torch.arange(checked)
                 self.lookup_reached[size - 1, :checked] += (positions <= matched).double()
                 self.lookup_accepted[size - 1, :checked] += (positions < matched).double()
+        self.forget_round()
+
+    def start_call(self) -> None:
+        """A new call: its text may be one the draft guesses better than the last call's, so its first round that may
+        draft looks, where a look costs less than a plain step (a dear look keeps its wait)."""
+        self.new_call = True
         self.forget_round()
 
     def forget_round(self) -> None:
@@ -706,5 +726,5 @@ def cost_aware_drafting(
             learned.cost_models_of(do_sample), options.prompt_lookup, do_sample, learned.realized_gain[do_sample]
         )
     drafting = learned.drafting[key]
-    drafting.forget_round()
+    drafting.start_call()
     return drafting

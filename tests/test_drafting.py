@@ -282,6 +282,8 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     assert not learned_costs(target, draft, do_sample=True)(1).knows_plain_step  # sampled rounds cost otherwise
     assert not learned_costs(target, draft)(2).knows_plain_step  # and so do other batch sizes
 
+    # a drafting round dearer than a plain step, so a look costs more than one: a new call looks no sooner for it
+    stored[next(iter(stored))]["greedy 1 256"]["draft"] = 2 * restored.verify_seconds[0]
     for gain, first_drafting_pass in ((1.5, 1), (0.95, 2), (0.5, None)):
         stored[next(iter(stored))]["greedy gains"] = {"1": gain}  # what the last process's drafted rounds delivered
         path.write_text(json.dumps(stored))
@@ -405,14 +407,17 @@ def test_greedy_decoding_with_the_cost_aware_length_is_lossless_and_verifies_few
 
 def test_rounds_skip_drafting_while_recent_ones_do_not_pay_and_look_again_ever_later():
     drafting = CostAwareDrafting(STEEP)
-    unsure, sure = torch.full((1, 4), 0.05), torch.full((1, 4), 0.9)
+    # drafts that come close to paying for their round (0.96 of a plain step's rate), and drafts the draft is sure of
+    close, sure = torch.full((1, 4), 0.25), torch.full((1, 4), 0.9)
     committed = [torch.tensor([1, 2, 3])]
     decisions = []
     for _ in range(16):
         planned = drafting.plan(committed, limit=4)
         if planned is None:
             decisions.append("D")
-            assert drafting.length(unsure, limit=4) == 0
+            assert (
+                drafting.length(close, limit=4) == 1 and not drafting.pays
+            )  # the round is paid: one draft is worth it
         else:
             decisions.append(".")
             assert planned.shape == (1, 0)  # a plain step
@@ -420,6 +425,21 @@ def test_rounds_skip_drafting_while_recent_ones_do_not_pay_and_look_again_ever_l
     drafting.skipped = drafting.wait  # its next look: a sure round brings drafting back every round
     assert drafting.plan(committed, limit=4) is None and drafting.length(sure, limit=3) == 3
     assert all(drafting.plan(committed, limit=4) is None for _ in range(3))
+
+
+def test_a_text_whose_drafts_lose_clearly_waits_longest_and_a_new_call_looks_at_once_where_looks_are_cheap():
+    drafting = CostAwareDrafting(STEEP)  # a look costs 0.3 of a step: the longest wait is MAX_SKIPPED
+    committed = [torch.tensor([1, 2, 3])]
+    assert drafting.plan(committed, limit=4) is None
+    drafting.length(torch.full((1, 4), 0.25), limit=4)  # close to paying for its round: the wait doubles
+    assert not drafting.pays and drafting.wait == 2
+    drafting.skipped = drafting.wait
+    assert drafting.plan(committed, limit=4) is None
+    drafting.length(torch.full((1, 4), 0.01), limit=4)  # far from it: the longest wait at once, not 4
+    assert not drafting.pays and drafting.wait == CostAwareDrafting.MAX_SKIPPED
+    assert all(drafting.plan(committed, limit=4) is not None for _ in range(5))
+    drafting.start_call()
+    assert drafting.plan(committed, limit=4) is None  # a new call's first round looks: its text may be better
 
 
 def test_a_look_verifies_a_draft_until_the_process_timed_one_at_its_batch_size():
