@@ -278,7 +278,7 @@ class CostAwareDrafting:
     EXPLORATION_SHARE = 0.02
     CLEAR_LOSS = 0.9  # a realized gain below this is a loss, not the swing of the timings behind it
     DRAFT_MARGIN = 2  # a round drafts this many times the tokens recent rounds would verify: room for a better round
-    MIN_DRAFTED = 4
+    MIN_DRAFTED = 4  # a look at a text the draft guessed badly still drafts enough to see it turn predictable
 
     def __init__(
         self,

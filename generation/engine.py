@@ -458,7 +458,9 @@ def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[...,
     else:
         embed_tokens = setup.target.get_input_embeddings()
 
-        def grow(block, max_depth: int, branches: list, max_nodes: int | None = None) -> DraftTree:
+        def grow(
+            block, max_depth: int, branches: list[tuple[torch.Tensor, torch.Tensor]], max_nodes: int | None = None
+        ) -> DraftTree:
             drafted = num_nodes if max_nodes is None else min(num_nodes, max_nodes)
             tree = grow_tree(draft, block, embed_tokens, drafted, max_depth, options, setup.sampling)
             return add_branch(tree, branches, num_nodes)  # looked-up tokens cost no drafting
