@@ -1,8 +1,7 @@
-"""Run-time options of drafting and one drafting round, for the native engine and `generate(assistant_model=draft)`
-alike (`draft_round`).
+"""Run-time options of drafting and one drafting round (`draft_round`), for the native engine and `generate` alike.
 
-How many of a round's drafts to verify, and whether to draft at all, is a `DraftLengthPolicy`'s: the package's
-cost-aware draft length (`domino_spec.cost_aware`), or none, verifying every draft.
+How many of a round's drafts to draft and verify, and whether to draft at all, is a `DraftLengthPolicy`'s: the
+package's cost-aware draft length (`domino_spec.cost_aware`), or none, drafting and verifying whole blocks.
 
 Copied into every saved checkpoint with `modeling_domino.py` (`trust_remote_code`): imports only torch and transformers.
 """
@@ -153,7 +152,7 @@ class DeviceClock:
 
 
 class DraftLengthPolicy(Protocol):
-    """How many drafts a round verifies, and whether it drafts (`cost_aware.CostAwareDrafting`)."""
+    """How many tokens a round drafts and verifies, and whether it drafts (`cost_aware.CostAwareDrafting`)."""
 
     def plan(self, sequences: list[torch.Tensor], limit: int, tree: bool = False) -> torch.Tensor | None: ...
     def worth_drafting(self, batch_size: int) -> int | None: ...
@@ -161,9 +160,7 @@ class DraftLengthPolicy(Protocol):
     def drafted(self, seconds: float, batch_size: int) -> None: ...
     def length(self, confidence: torch.Tensor, limit: int) -> int: ...
     def tree_size(self, path_probs: torch.Tensor) -> int: ...
-    def accepted(
-        self, num_verified: int, num_accepted: list[int], seconds: float | None = None, committed=None
-    ) -> None: ...
+    def accepted(self, num_verified: int, num_accepted: list[int], seconds: float | None = None, committed=None): ...
 
 
 @dataclass
@@ -214,12 +211,11 @@ def draft_round(
     verify looked-up tokens, or a plain step: `DraftLengthPolicy.plan`), read the new `context` (target features
     `[B, T_new, F]`, their positions and mask) into the draft's cache (held there unprojected in a round that does
     not draft), draft at most `limit` tokens after each row's anchor, and keep as many as pay
-    (`DraftLengthPolicy.length`); a policy may draft fewer tokens than the block holds where recent rounds verified
-    few (`DraftLengthPolicy.worth_drafting`). `sequences()` gives each row's committed tokens, for prompt lookup. The
-    drafting arguments are `DominoDraftModel.draft_block`'s. With `grow_tree(block, limit, branches, max_nodes)` the
-    round drafts a tree of at most `max_nodes` drafted nodes from the backbone's block instead of a chain, with each
-    row's looked-up tokens as one more branch (`DraftLengthPolicy.lookup_branch`), and keeps the prefix of its nodes
-    that pays (`DraftLengthPolicy.tree_size`)."""
+    (`DraftLengthPolicy.length`), having drafted only as many as may pay (`worth_drafting`). `sequences()` gives each
+    row's committed tokens, for prompt lookup. The drafting arguments are `DominoDraftModel.draft_block`'s. With
+    `grow_tree(block, limit, branches, max_nodes)` the round drafts a tree from the backbone's block instead of a
+    chain, with each row's looked-up tokens as one more branch (`DraftLengthPolicy.lookup_branch`), and keeps the
+    prefix of its nodes that pays (`DraftLengthPolicy.tree_size`)."""
     committed = sequences() if drafting is not None and limit > 0 else []
     planned = drafting.plan(committed, limit, tree=grow_tree is not None) if committed else None
     if limit == 0 or planned is not None:  # no drafting this round: its context waits for the next that drafts
@@ -230,15 +226,12 @@ def draft_round(
         return DraftRound(planned, certain_logits(planned, vocab_size) if do_sample else None, looked_up=True)
     clock = DeviceClock(anchor_ids.device)
     start = clock()
-    worth_drafting = drafting.worth_drafting(anchor_ids.shape[0]) if drafting is not None else None
-    if grow_tree is not None:
+    drafted = drafting.worth_drafting(anchor_ids.shape[0]) if drafting is not None else None
+    if grow_tree is not None:  # n nodes are at most n deep, and children come from the slot of their depth
         draft.extend_context(past_key_values, *context)
-        # n nodes are at most n deep, and a node's children come from the slot of its depth: n slots serve them
-        block = draft.block_logits(
-            anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head, worth_drafting
-        )
+        block = draft.block_logits(anchor_ids, anchor_position_ids, past_key_values, embed_tokens, lm_head, drafted)
         branches = drafting.lookup_branch(committed, limit) if drafting is not None else []
-        grown = grow_tree(block, limit, branches, worth_drafting)
+        grown = grow_tree(block, limit, branches, drafted)
         num_nodes = grown.tokens.shape[1]
         if drafting is not None:
             drafting.drafted(clock() - start, anchor_ids.shape[0])
@@ -264,7 +257,7 @@ def draft_round(
         prefix_ids=prefix_ids,
         generator=generator,
         options=options,
-        num_slots=worth_drafting,
+        num_slots=drafted,
     )
     num_drafts = limit
     if drafting is not None:

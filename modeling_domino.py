@@ -556,10 +556,8 @@ class DominoDraftModel(PreTrainedModel):
         lm_head: nn.Module,
         num_slots: int | None = None,
     ) -> DominoBlock:
-        """The backbone's pass over `[anchor, MASK...]` after the cached context, and its base logits: a drafting
-        round before the head (`draft_block` = `extend_context`, this, then the head). With `num_slots`, only the
-        first that many draft slots get base logits (the backbone still reads the whole block, as in training): a
-        round that drafts fewer tokens pays for fewer rows of the LM head."""
+        """The backbone's pass over `[anchor, MASK...]` after the cached context (the whole block, as in training) and
+        the base logits of its first `num_slots` draft slots (all by default): a drafting round before the head."""
         batch_size = anchor_ids.shape[0]
         block_size = self.config.block_size
         block_ids = anchor_ids.new_full((batch_size, block_size), self.config.mask_token_id)
@@ -573,8 +571,7 @@ class DominoDraftModel(PreTrainedModel):
         block_embeds = embed_tokens(block_ids)
         compiled = self.__dict__.get("_compiled_drafting")  # `domino_spec.generation.compile_drafting`: not saved
         backbone = self.backbone if compiled is None else compiled.backbone
-        block_hidden = backbone(block_embeds, position_ids, context, mask)
-        draft_hidden = self._draft_slots(block_hidden)[:, :num_slots]  # [B, S, D]
+        draft_hidden = self._draft_slots(backbone(block_embeds, position_ids, context, mask))[:, :num_slots]
         return DominoBlock(self.base_logits(draft_hidden, lm_head).float(), draft_hidden, block_embeds[:, 0])
 
     @torch.no_grad()
