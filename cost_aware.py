@@ -435,11 +435,13 @@ class CostAwareDrafting:
         the costs at its batch size."""
         costs = self._cost_model(reach.shape[0]).costs()
         recent = reach.mean(0)
-        if self.expected is not None:  # rounds draft as many tokens as seemed worth it: one not drafted counts as 0
+        if self.expected is None:
+            self.expected = recent
+        else:  # rounds draft as many tokens as seemed worth it: one not drafted counts as 0
             width = max(recent.shape[0], self.expected.shape[0])
-            recent = F.pad(recent, (0, width - recent.shape[0]))
-            self.expected = F.pad(self.expected, (0, width - self.expected.shape[0]))
-        self.expected = recent if self.expected is None else (self.expected + recent) / 2
+            self.expected = (
+                F.pad(self.expected, (0, width - self.expected.shape[0])) + F.pad(recent, (0, width - recent.shape[0]))
+            ) / 2
         self.pays, self.skipped = self._drafting_pays(costs, reach.shape[0]), 0
         if self.pays:
             self.wait = 1

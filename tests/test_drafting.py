@@ -415,9 +415,8 @@ def test_rounds_skip_drafting_while_recent_ones_do_not_pay_and_look_again_ever_l
         planned = drafting.plan(committed, limit=4)
         if planned is None:
             decisions.append("D")
-            assert (
-                drafting.length(close, limit=4) == 1 and not drafting.pays
-            )  # the round is paid: one draft is worth it
+            # the round is paid: one draft is worth verifying, drafting still does not pay
+            assert drafting.length(close, limit=4) == 1 and not drafting.pays
         else:
             decisions.append(".")
             assert planned.shape == (1, 0)  # a plain step
