@@ -91,17 +91,19 @@ def pick_confidence(logits: torch.Tensor) -> torch.Tensor:
 
 
 class DerivedTensors:
-    """Tensors built from weights for fast drafting (a lookup table, a fused or transposed weight), never saved.
-
-    Each is rebuilt when a source tensor is replaced or changed in place by a tensor op; a write through `.data`
+    """Tensors built from weights for fast drafting (a lookup table, a fused weight, a linear of some rows), never
+    saved. Each is rebuilt when a source tensor is replaced or changed in place by a tensor op; a write through `.data`
     (peft's `merge_adapter`) changes neither, so `clear()` after one. With gradients enabled (training) each is
-    built fresh, so it stays differentiable. Copies and pickles start empty.
+    built fresh, so it stays differentiable. Copies and pickles start empty. `prepare`, where set, is called with
+    each one built (`optimize_for_cpu` plans the linears' kernels).
     """
+
+    prepare: Callable[[torch.Tensor | nn.Module], None] | None = None
 
     def __init__(self):
         self._cache: dict[str, tuple] = {}
 
-    def get(self, name: str, sources: tuple[torch.Tensor, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(self, name: str, sources: tuple[torch.Tensor, ...], build: Callable) -> torch.Tensor | nn.Module:
         if torch.is_grad_enabled():
             return build()
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
@@ -110,6 +112,8 @@ class DerivedTensors:
         same_sources = len(cached_sources) == len(sources) and all(r() is t for r, t in zip(cached_sources, sources))
         if cached_key != key or not same_sources:
             derived = build()
+            if self.prepare is not None:
+                self.prepare(derived)
             self._cache[name] = (key, tuple(weakref.ref(t) for t in sources), derived)
         return derived
 

@@ -237,13 +237,13 @@ def _index_of(token_ids: torch.Tensor, vocab_size: int, missing: int) -> torch.T
     return index_of.index_copy_(0, token_ids, torch.arange(token_ids.numel(), device=token_ids.device))
 
 
-def transposed_rows(weight: torch.Tensor, rows: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """`weight[rows].t()`, contiguous `[D, len(rows)]`, gathered `chunk` rows at a time: each row is read whole (in
-    memory order, unlike a column gather), and the result is the only fresh memory (a first call faults it in)."""
-    transposed = weight.new_empty(weight.shape[1], rows.shape[0])
-    for start in range(0, rows.shape[0], chunk):
-        transposed[:, start : start + chunk] = weight[rows[start : start + chunk]].t()
-    return transposed
+def rows_of(linear: nn.Linear, rows: torch.Tensor | slice) -> nn.Linear:
+    """An `nn.Linear` of its own for `linear`'s outputs `rows`: their weights and biases, frozen (views for a slice)."""
+    weight = linear.weight.detach()[rows]
+    part = nn.Linear(linear.in_features, weight.shape[0], bias=linear.bias is not None, device="meta")
+    part.weight = nn.Parameter(weight, requires_grad=False)
+    part.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[rows], requires_grad=False)
+    return part
 
 
 def _model_name(name_or_path: str) -> str:
@@ -411,8 +411,8 @@ class DominoDraftModel(PreTrainedModel):
     def base_logits(self, draft_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """The target's LM head over the draft vocabulary: `[..., D]` hidden states -> `[..., V]` logits.
 
-        With a draft vocabulary, only its rows of the LM head are multiplied (kept transposed, the fast layout for a
-        few rows on CPU), the cost that a drafting round otherwise spends mostly on the target's whole vocabulary.
+        With a draft vocabulary, only its rows of the LM head are multiplied, by a linear of their own (`rows_of`,
+        never saved; `optimize_for_cpu` plans its kernels), where a round would spend most on the whole vocabulary.
         """
         hidden = draft_hidden.to(lm_head.weight.dtype)
         vocab = self.draft_vocab
@@ -420,11 +420,7 @@ class DominoDraftModel(PreTrainedModel):
             return lm_head(hidden)
         if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): its logits, then ours
             return lm_head(hidden)[..., vocab]
-        weight = self.derived.get(
-            "draft_lm_head", (lm_head.weight, vocab), lambda: transposed_rows(lm_head.weight, vocab)
-        )
-        logits = hidden @ weight  # [..., V]
-        return logits if lm_head.bias is None else logits + lm_head.bias[vocab]
+        return self.derived.get("draft_lm_head", (lm_head.weight, vocab), lambda: rows_of(lm_head, vocab))(hidden)
 
     def to_draft_vocab(self, token_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Token ids as draft-vocabulary indices (training labels); ids outside it, and `ignore_index`, become
@@ -715,5 +711,5 @@ __all__ = [
     "DominoOutput",
     "block_attention_mask",
     "flex_block_attention_mask",
-    "transposed_rows",
+    "rows_of",
 ]

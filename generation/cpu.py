@@ -30,10 +30,12 @@ from torch import nn
 
 from ..cost_aware import forget_draft_costs
 from ..machine import cache_path, machine_key, read_cache, write_cache
+from ..modeling_domino import rows_of
 
 # Row counts timed per weight shape; a count between two uses the plan of the next one up, and a count above the
-# last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows.
-TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64)
+# last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows. Up to 128: a wide batch's
+# verify passes and draft blocks (12 rows of 9 tokens).
+TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96, 128)
 TIMING_REPEATS = 3  # the fastest of these runs counts, the others absorb the noise of a shared machine
 # A draft's layouts are tens of MB of fresh memory, which a VM may fault in at ~5 ms per MB (0.2-0.3 s for
 # SmolLM2-135M's draft on a 2-core EPYC VM), while its eager products cost ~1.3 ms more a drafting round: a linear
@@ -80,8 +82,9 @@ class PlannedLinear:
         self.eager_calls = eager_calls
         if eager_calls == 0:
             self.build_layouts()
-        # row count -> kernel, for every count up to the last tuned one
-        self.by_rows = [KERNELS[self._kernel_name(rows)][0] for rows in range(TUNED_ROW_COUNTS[-1] + 1)]
+        self.by_rows: list[Callable] = []  # row count -> kernel, for every count up to the last tuned one
+        for count in TUNED_ROW_COUNTS:  # a count between two tuned ones runs the plan of the next one up
+            self.by_rows += [KERNELS[plan[count]][0]] * (count + 1 - len(self.by_rows))
 
     def build_layouts(self) -> None:
         for name in set(self.plan.values()):
@@ -89,9 +92,6 @@ class PlannedLinear:
             if build is not None:
                 self.layouts[name] = build(self.layouts["weight"].detach())
         self.built = True
-
-    def _kernel_name(self, rows: int) -> str:
-        return self.plan[next(count for count in TUNED_ROW_COUNTS if count >= max(rows, 1))]
 
     def extra_bytes(self) -> int:
         """Memory the extra layouts built so far take (oneDNN's blocked layout reports its logical size)."""
@@ -126,6 +126,9 @@ class CPUOptimization:
     def restore(self) -> None:
         for module in self.planned:
             module.__dict__.pop("forward", None)  # the class's nn.Linear.forward again
+        for model in self.models:
+            if hasattr(model, "derived"):
+                model.derived.__dict__.pop("prepare", None)
         self.planned = {}
         self._forget_costs()
 
@@ -150,6 +153,20 @@ class CPUOptimization:
 
     def __exit__(self, *exc_info) -> None:
         self.restore()
+
+
+def _shape(module: nn.Linear) -> tuple:
+    return (*module.weight.shape, module.weight.dtype, module.bias is not None)
+
+
+def _derived_linear_stand_ins(target: nn.Module | None, drafts: Iterable[nn.Module]) -> list[nn.Linear]:
+    """Linears shaped as those the drafts derive from the target's weights as they draft (a draft vocabulary's rows of
+    the LM head, `modeling_domino.rows_of`), over the target's own rows (views, no copy), to plan their kernels by."""
+    lm_head = target.get_output_embeddings() if target is not None else None
+    if type(lm_head) is not nn.Linear:  # a module that transforms its output (an adapter): drafts call it whole
+        return []
+    vocabularies = [getattr(draft, "draft_vocab", None) for draft in drafts if hasattr(draft, "derived")]
+    return [rows_of(lm_head, slice(0, len(vocab))) for vocab in vocabularies if vocab is not None]
 
 
 def _plain_linears(models: Iterable[nn.Module]) -> list[nn.Linear]:
@@ -248,26 +265,36 @@ def optimize_for_cpu(
                 f"optimize_for_cpu prepares models on the CPU, but {type(model).__name__} has parameters on "
                 f"{', '.join(sorted(devices))}: on an accelerator leave the model as it is (or compile it)."
             )
+    linears = _plain_linears(models)
     by_shape: dict[tuple, list[nn.Linear]] = defaultdict(list)
-    for module in _plain_linears(models):
-        by_shape[(*module.weight.shape, module.weight.dtype, module.bias is not None)].append(module)
+    for module in linears + _derived_linear_stand_ins(target, drafts):
+        by_shape[_shape(module)].append(module)
     path = plan_cache_path() if plan_cache == "default" else plan_cache
     stored = _read_plans(path) if path else {}
     plans, planned, timed = {}, {}, False
     machine = machine_key()
-    targets_own = set(_plain_linears([target])) if target is not None else set()
     for shape, modules in by_shape.items():
         key = _plan_key(machine, shape)
         if set(stored.get(key, {})) != set(TUNED_ROW_COUNTS) or not set(stored[key].values()) <= set(KERNELS):
             stored[key], timed = plan_shape(modules), True
         plans[shape] = stored[key]
-        for module in modules:
-            eager_calls = 0 if module in targets_own else DRAFT_EAGER_CALLS
-            module.forward = planned[module] = PlannedLinear(module, plans[shape], eager_calls)
         if verbose:
             print(f"optimize_for_cpu: {shape[:2]} x{len(modules)}: {plans[shape]}", flush=True)
     if path and timed:
         write_cache(path, stored)
+    targets_own = set(_plain_linears([target])) if target is not None else set()
+    for module in linears:
+        eager_calls = 0 if module in targets_own else DRAFT_EAGER_CALLS
+        module.forward = planned[module] = PlannedLinear(module, plans[_shape(module)], eager_calls)
+
+    def plan_derived(derived: torch.Tensor | nn.Module) -> None:
+        if type(derived) is nn.Linear and _shape(derived) in plans:  # built when drafting starts: layouts at once
+            derived.forward = planned[derived] = PlannedLinear(derived, plans[_shape(derived)])
+
+    for draft in drafts:
+        if hasattr(draft, "derived"):
+            draft.derived.prepare = plan_derived
+            draft.derived.clear()  # what was built before is built again, planned
     if keep_freed_memory:
         keep_freed_memory_for_reuse()
     return CPUOptimization(models, planned, plans)

@@ -37,13 +37,13 @@ def _planned(model: nn.Module) -> list[nn.Linear]:
 @torch.no_grad()
 def test_optimized_models_give_eager_logits_and_decode_losslessly(target):
     draft = tiny_draft(target)
-    input_ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(0))
-    eager = [target(input_ids[:, :rows]).logits for rows in (1, 3, 9, 17, 33, 40)]
+    input_ids = torch.randint(0, 100, (1, 140), generator=torch.Generator().manual_seed(0))
+    eager = [target(input_ids[:, :rows]).logits for rows in (1, 3, 9, 17, 33, 100, 140)]
     expected = target.generate(input_ids[:, :7], max_new_tokens=24, do_sample=False, pad_token_id=0)
     with optimize_for_cpu(target, draft) as optimization:
         assert len(_planned(target)) == sum(type(m) is nn.Linear for m in target.modules())  # the LM head too
         assert len(_planned(draft)) == sum(type(m) is nn.Linear for m in draft.modules())
-        for rows, logits in zip((1, 3, 9, 17, 33, 40), eager):  # 33 and 40: past the tuned counts, eager
+        for rows, logits in zip((1, 3, 9, 17, 33, 100, 140), eager):  # 33, 100: between tuned counts; 140: eager
             torch.testing.assert_close(target(input_ids[:, :rows]).logits, logits, rtol=1e-4, atol=1e-4)
         output = speculative_generate(target, draft, input_ids[:, :7], max_new_tokens=24, eos_token_id=[])
         assert torch.equal(output.sequences, expected)
@@ -82,6 +82,25 @@ def test_a_drafts_layouts_are_built_after_its_first_calls_and_the_targets_at_onc
     needs_layouts = set(linear.forward.plan.values()) != {"linear"}
     assert linear.forward.built and (optimization.extra_bytes > before) == needs_layouts
     optimization.restore()
+
+
+@torch.no_grad()
+def test_a_draft_vocabularys_rows_of_the_lm_head_are_planned_when_built(target):
+    """A draft with a vocabulary of its own multiplies its rows of the target's LM head by a linear it derives as it
+    drafts; the kernels are planned with the models' and its layouts built with it."""
+    vocab = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:50]
+    draft = tiny_draft(target, draft_vocab=vocab)
+    lm_head = target.get_output_embeddings()
+    hidden = torch.randn(6, target.config.hidden_size)
+    eager = lm_head(hidden)[..., vocab]
+    draft.base_logits(hidden, lm_head)  # built before: built again when prepared
+    with optimize_for_cpu(target, draft) as optimization:
+        assert (50, target.config.hidden_size, torch.float32, False) in optimization.plans
+        torch.testing.assert_close(draft.base_logits(hidden, lm_head), eager, rtol=1e-5, atol=1e-5)
+        rows = draft.derived.get("draft_lm_head", (lm_head.weight, draft.draft_vocab), None)
+        assert rows in optimization.planned and rows.forward.built
+    assert "forward" not in rows.__dict__ and "prepare" not in draft.derived.__dict__  # restored
+    torch.testing.assert_close(draft.base_logits(hidden, lm_head), eager, rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_take_the_eager_path(target):
