@@ -33,9 +33,9 @@ from ..machine import cache_path, machine_key, read_cache, write_cache
 from ..modeling_domino import rows_of
 
 # Row counts timed per weight shape; a count between two uses the plan of the next one up, and a count above the
-# last (a prefill) keeps eager `F.linear`, whose GEMM kernels are made for many rows. Up to 128: a wide batch's
-# verify passes and draft blocks (12 rows of 9 tokens).
-TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96, 128)
+# last (a prefill) the last one's. Up to 128: a wide batch's verify passes and draft blocks (12 rows of 9 tokens);
+# 512: prefills, where eager `F.linear`'s GEMM kernels, made for many rows, may still lose to a blocked layout.
+TUNED_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96, 128, 512)
 TIMING_REPEATS = 3  # the fastest of these runs counts, the others absorb the noise of a shared machine
 # A draft's layouts are tens of MB of fresh memory, which a VM may fault in at ~5 ms per MB (0.2-0.3 s for
 # SmolLM2-135M's draft on a 2-core EPYC VM), while its eager products cost ~1.3 ms more a drafting round: a linear
@@ -99,15 +99,15 @@ class PlannedLinear:
         return sum(t.numel() * t.element_size() for t in extra)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows >= len(self.by_rows) or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return F.linear(x, self.layouts["weight"], self.layouts["bias"])
         if not self.built:
             if self.eager_calls > 0:
                 self.eager_calls -= 1
                 return F.linear(x, self.layouts["weight"], self.layouts["bias"])
             self.build_layouts()
-        return self.by_rows[rows](x, self.layouts)
+        rows = x.numel() // x.shape[-1]
+        return self.by_rows[min(rows, len(self.by_rows) - 1)](x, self.layouts)
 
 
 class CPUOptimization:
