@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from ..configuration_domino import DominoConfig
 from ..draft_building import config_for_target
-from ..generation.cpu import optimize_for_cpu
 from .features import FeatureStore
 from .train import fresh_draft_shape, load_target_and_data, parse_train_arguments
 
@@ -43,9 +42,6 @@ def main(argv: list[str]) -> None:
     else:  # the config alone: no draft weights to build
         shape = fresh_draft_shape(draft_args, target)
         layer_ids = config_for_target(target, tokenizer=tokenizer, **shape).target_layer_ids
-    if target.device.type == "cpu":  # a prefill a conversation: oneDNN's layout may beat eager GEMM there
-        print("preparing the target for its prefills on this CPU (optimize_for_cpu)", flush=True)
-        optimize_for_cpu(target)
     store = FeatureStore.build(
         target, dataset, layer_ids, training_args.output_dir, training_args.soft_targets, cache_args.extend
     )
