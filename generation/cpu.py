@@ -239,8 +239,9 @@ def optimize_for_cpu(
     plan_cache: str | None = "default",
     keep_freed_memory: bool = True,
 ) -> CPUOptimization:
-    """Make every `nn.Linear` of `target` (and of `drafts`) run each row count up to 64 with the fastest of three
-    layouts of its weight, timed here once per weight shape; in place, undone by `restore()`.
+    """Make every `nn.Linear` of `target` (and of `drafts`, with the linears a draft derives from the target's weights
+    as it drafts) run each row count with the fastest of three layouts of its weight, timed here once per weight shape
+    and tuned row count (`TUNED_ROW_COUNTS`; a longer pass runs the last count's); in place, undone by `restore()`.
 
     Multi-token passes (verify passes, draft blocks, batches) get much cheaper on most CPUs, the one-token decode step
     stays as fast, and plain decoding of the prepared target speeds up too, so compare speculative and plain decoding
