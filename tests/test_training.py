@@ -25,6 +25,7 @@ from domino_spec.generation.engine import speculative_generate
 from domino_spec.targets import prompt_token_ids
 from domino_spec.training.collator import DominoDataCollator, sample_anchors
 from domino_spec.training.data import check_vocabulary, load_prompts, load_training_dataset, summarize
+from domino_spec.training.features import target_features
 from domino_spec.training.loss import (
     IGNORE_INDEX,
     acceptance_length,
@@ -1136,7 +1137,14 @@ def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir
     main(["cache-features", *flags, "--output", str(tmp_path / "features")])
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     expected = from_target(target, num_hidden_layers=2).config.target_layer_ids
-    assert FeatureStore(str(tmp_path / "features")).layer_ids == expected
+    store = FeatureStore(str(tmp_path / "features"))
+    assert store.layer_ids == expected
+    # its prefills ran the CPU kernels `optimize_for_cpu` planned, giving the eager target's features
+    assert json.loads((tmp_path / "cpu_plans.json").read_text())
+    for example, record in enumerate(data):
+        input_ids = torch.tensor([record["prompt_ids"] + record["response_ids"]])
+        eager = target_features(target, input_ids, None, expected).hidden
+        torch.testing.assert_close(store[example].float(), eager[0].half().float(), atol=2e-3, rtol=2e-3)
     draft = tiny_draft(target, target_layer_ids=[0, 2], block_size=4)
     draft.save_pretrained(tmp_path / "draft")
     main(

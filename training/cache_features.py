@@ -7,6 +7,7 @@ store's folder. Rerunning resumes. Data that grew (more regenerated pieces after
 the store of the data it started as: `--extend OLD_DIR` copies it and computes only the new examples.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..configuration_domino import DominoConfig
@@ -26,7 +27,9 @@ class CacheArguments:
     )
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], prepare_target: Callable | None = None) -> None:
+    """Build (or resume) the store; `prepare_target(target)` runs first on a CPU target (the CLI passes
+    `optimize_for_cpu`, which training does not import)."""
     draft_args, training_args, cache_args = parse_train_arguments(
         argv,
         prog="domino-spec cache-features",
@@ -37,6 +40,9 @@ def main(argv: list[str]) -> None:
         extra_arguments=(CacheArguments,),
     )
     target, tokenizer, dataset, _ = load_target_and_data(draft_args)
+    if prepare_target is not None and target.device.type == "cpu":
+        print("preparing the target for long prefills on this CPU (optimize_for_cpu)", flush=True)
+        prepare_target(target)
     if draft_args.init_from:
         layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids
     else:  # the config alone: no draft weights to build
