@@ -137,6 +137,7 @@ class CostModel:
         self.timings = 0
         self.last_timed: list[int | None] = [None] * (num_drafts + 1)  # per count: `timings` when last timed here
         self.draft_seconds: float | None = None
+        self.look_seconds: float | None = None  # drafting rounds after skipped ones, their held-back context read
         self.draft_rounds = 0
         if prior is None:
             prior = DraftCosts(tuple(_prior_steps(k) for k in range(num_drafts + 1)), PRIOR_DRAFT_STEPS)
@@ -163,10 +164,14 @@ class CostModel:
             if estimate is not None and estimate > predicted and stale:
                 self.verify_seconds[longer] = estimate - STALE_RELAXATION * (estimate - predicted)
 
-    def observe_draft(self, seconds: float) -> None:
+    def observe_draft(self, seconds: float, look: bool = False) -> None:
+        """A drafting round took `seconds`; a `look` (a round after skipped ones, where drafting did not pay) also
+        read the context the skipped rounds held back, so looks are priced by their own timings too."""
         self.draft_rounds += 1
         if self.draft_rounds > 1:  # the first round at a batch size builds the draft's kernels for its shapes
             self.draft_seconds = _average(self.draft_seconds, seconds)
+            if look:
+                self.look_seconds = _average(self.look_seconds, seconds)
 
     @property
     def knows_plain_step(self) -> bool:
@@ -185,7 +190,7 @@ class CostModel:
 
     def state(self) -> dict:
         """What was timed, as JSON values (`restore`)."""
-        return {"verify_seconds": self.verify_seconds, "draft": self.draft_seconds}
+        return {"verify_seconds": self.verify_seconds, "draft": self.draft_seconds, "look": self.look_seconds}
 
     def restore(self, state: dict) -> None:
         """Go on from what another process timed (`state`); its first drafting round is still left out, since this
@@ -193,7 +198,7 @@ class CostModel:
         seconds = state.get("verify_seconds")
         if isinstance(seconds, list) and len(seconds) == len(self.verify_seconds):  # else a file edited by hand
             self.verify_seconds = list(seconds)
-            self.draft_seconds = state.get("draft")
+            self.draft_seconds, self.look_seconds = state.get("draft"), state.get("look")
 
     def costs(self) -> DraftCosts:
         timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
@@ -238,10 +243,11 @@ class FixedCosts(CostModel):
     def observe_verify(self, num_drafts: int, seconds: float) -> None:
         pass
 
-    def observe_draft(self, seconds: float) -> None:
+    def observe_draft(self, seconds: float, look: bool = False) -> None:
         pass
 
     knows_plain_step = drafting_timed = timed_drafts = True
+    look_seconds = None
 
     def costs(self) -> DraftCosts:
         return self._costs
@@ -256,10 +262,12 @@ class CostAwareDrafting:
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round with
     the recent confidences (an average that halves the weight of each older round) would commit more tokens per second
     than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or more where a
-    look (a drafting round and a verify pass) costs so much of a step that looking would take over `EXPLORATION_SHARE`
-    of the time (a wide batch). Where the recent rounds' own confidences make drafting lose clearly (`CLEAR_LOSS`: a
-    text the draft guesses badly), it waits that longest at once; each call's first round that may draft looks where
-    a look is cheaper than a plain step, since a call brings new text (`start_call`).
+    look (a drafting round and a verify pass, priced by the looks timed at the batch size) costs so much of a step
+    that looking would take over `EXPLORATION_SHARE` of the time (a wide batch); where such a dear look keeps finding
+    a loss, each one in a row waits longer (`MAX_LOSING_LOOKS`). Where the recent rounds' own confidences make
+    drafting lose clearly (`CLEAR_LOSS`: a text the draft guesses badly), it waits that longest at once; each call's
+    first round that may draft looks where a look is cheaper than a plain step, since a call brings new text
+    (`start_call`).
     Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
     from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where they lost
     clearly (`CLEAR_LOSS`) and a look costs more than a plain step, a process arriving at that batch size, new or not,
@@ -276,6 +284,7 @@ class CostAwareDrafting:
 
     MAX_SKIPPED = 16
     EXPLORATION_SHARE = 0.02
+    MAX_LOSING_LOOKS = 4  # the n-th dear look in a row that finds a loss waits n times as long, up to this many
     CLEAR_LOSS = 0.9  # a realized gain below this is a loss, not the swing of the timings behind it
     DRAFT_MARGIN = 2  # a round drafts this many times the tokens recent rounds would verify: room for a better round
     MIN_DRAFTED = 4  # a look at a text the draft guessed badly still drafts enough to see it turn predictable
@@ -295,6 +304,8 @@ class CostAwareDrafting:
         self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
         self.expected: torch.Tensor | None = None  # [S]: recent rounds' calibrated reach (`expected_rates`), per token
         self.pays, self.skipped, self.wait = True, 0, 1
+        self.looking = False  # whether the round being drafted is a look (drafting did not pay)
+        self.losing_looks = 0  # looks in a row since drafting last paid
         self.new_call = False  # set by `start_call`, until the call's first round that may draft
         # Per batch size: drafted rounds' tokens per second over plain steps', as they turned out (a running average;
         # a batch size without rounds of its own goes by the nearest one's), from earlier processes' rounds on.
@@ -342,15 +353,16 @@ class CostAwareDrafting:
             self.pays = self._drafting_pays(costs, len(sequences))
         elif not self._delivered(len(sequences)):  # before this process's first drafted round
             self.pays = False
-        if not self.pays and self._lost_by_margin(len(sequences)) and self._look_steps(costs) > 1:
+        if not self.pays and self._lost_by_margin(len(sequences)) and self._look_steps(len(sequences)) > 1:
             # drafted rounds at this batch size (this process's or earlier ones') lost clearly, and a look costs more
             # than a plain step (a wide batch): look again as seldom as the exploration budget allows at once, not
             # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
-            self.wait = max(self.wait, self._longest_wait(costs))
-        if self.new_call and self._look_steps(costs) <= 1:  # a cheap look: the call's text may be one that pays
+            self.wait = max(self.wait, self._longest_wait(len(sequences)))
+        if self.new_call and self._look_steps(len(sequences)) <= 1:  # a cheap look: the call's text may pay
             self.skipped = max(self.skipped, self.wait)
         self.new_call = False
         drafts = self.pays or self.skipped >= self.wait
+        self.looking = drafts and not self.pays
         if tree and drafts:
             return None  # the tree takes the looked-up tokens as a branch (`lookup_branch`)
         looked_up = self._look_up(sequences, limit, costs)
@@ -401,7 +413,7 @@ class CostAwareDrafting:
     def drafted(self, seconds: float, batch_size: int) -> None:
         """A drafting round of `batch_size` rows took `seconds`."""
         cost_model = self._cost_model(batch_size)
-        cost_model.observe_draft(seconds)
+        cost_model.observe_draft(seconds, look=self.looking)
         self.draft_seconds = seconds if cost_model.drafting_timed else None  # not while its kernels are built
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:
@@ -442,26 +454,35 @@ class CostAwareDrafting:
             self.expected = (
                 F.pad(self.expected, (0, width - self.expected.shape[0])) + F.pad(recent, (0, width - recent.shape[0]))
             ) / 2
-        self.pays, self.skipped = self._drafting_pays(costs, reach.shape[0]), 0
+        batch_size = reach.shape[0]
+        self.pays, self.skipped = self._drafting_pays(costs, batch_size), 0
+        self.losing_looks = 0 if self.pays else self.losing_looks + 1
         if self.pays:
             self.wait = 1
         elif self._predicted_gain(costs) < self.CLEAR_LOSS:  # this text's drafts lose clearly, whatever the timings
-            self.wait = self._longest_wait(costs)
+            self.wait = self._longest_wait(batch_size)
         else:
-            self.wait = min(2 * self.wait, self._longest_wait(costs))
+            self.wait = min(2 * self.wait, self._longest_wait(batch_size))
         return costs
 
-    def _longest_wait(self, costs: DraftCosts) -> int:
+    def _longest_wait(self, batch_size: int) -> int:
         """The most rounds skipped before looking again: `MAX_SKIPPED`, or more where looking would take over
-        `EXPLORATION_SHARE` of the time (`_look_steps`)."""
-        return max(self.MAX_SKIPPED, math.ceil(self._look_steps(costs) / self.EXPLORATION_SHARE))
+        `EXPLORATION_SHARE` of the time (`_look_steps`); where a look costs more than a plain step, the n-th look in
+        a row that found drafting losing waits n times that (up to `MAX_LOSING_LOOKS`): a wide batch that keeps
+        losing is not worth the budget, while a cheap look keeps looking (the loss may be the text's)."""
+        look_steps = self._look_steps(batch_size)
+        waits = min(max(self.losing_looks, 1), self.MAX_LOSING_LOOKS) if look_steps > 1 else 1
+        return max(self.MAX_SKIPPED, waits * math.ceil(look_steps / self.EXPLORATION_SHARE))
 
-    @staticmethod
-    def _look_steps(costs: DraftCosts) -> float:
-        """What a look that verifies drafts costs beyond a plain step, in plain steps: its drafting round and at least
-        a pass over one draft (in a wide batch the pass's extra rows cost more than the drafting)."""
+    def _look_steps(self, batch_size: int) -> float:
+        """What a look that verifies drafts costs beyond a plain step, in plain steps: its drafting round (as the
+        looks timed at `batch_size` took, reading the context skipped rounds held back, else as drafting rounds took)
+        and at least a pass over one draft (in a wide batch the pass's extra rows cost more than the drafting)."""
+        cost_model = self._cost_model(batch_size)
+        costs = cost_model.costs()
+        drafting = costs.draft_seconds if cost_model.look_seconds is None else cost_model.look_seconds
         verify = costs.verify_seconds
-        return (costs.draft_seconds + (verify[1] - verify[0] if len(verify) > 1 else 0.0)) / verify[0]
+        return (drafting + (verify[1] - verify[0] if len(verify) > 1 else 0.0)) / verify[0]
 
     def _drafting_pays(self, costs: DraftCosts, batch_size: int) -> bool:
         """Whether a round with the recent rounds' reach commits tokens faster than a plain step, and drafted rounds

@@ -462,13 +462,47 @@ def test_a_wide_batch_whose_drafting_costs_most_of_a_step_looks_again_less_often
     drafting = CostAwareDrafting(wide)
     committed = [torch.tensor([1, 2, 3])] * 12
     drafted_rounds = []
-    for round_index in range(300):
+    for round_index in range(1500):
         if drafting.plan(committed, limit=4) is None:
             drafted_rounds.append(round_index)
             assert drafting.length(torch.full((12, 4), 0.3), limit=4) == 0
-    # a look costs 0.6 of a step drafting and 1.0 more verifying a draft: at most 2% of the time, 1 round in 80
-    assert drafting.wait == 80
-    assert [b - a for a, b in zip(drafted_rounds, drafted_rounds[1:])][-1:] == [81]
+    # a look costs 0.6 of a step drafting and 1.0 more verifying a draft: at most 2% of the time, 1 round in 80;
+    # each look in a row that finds the loss again waits that once more, up to MAX_LOSING_LOOKS times
+    gaps = [b - a for a, b in zip(drafted_rounds, drafted_rounds[1:])]
+    assert gaps == [81, 161, 241, 321, 321, 321]
+    assert drafting.wait == CostAwareDrafting.MAX_LOSING_LOOKS * 80
+    cheap = CostAwareDrafting(STEEP)  # a look that pays ends the run of losing looks
+    for confidence, pays, losing_looks in ((0.01, False, 1), (0.9, True, 0)):
+        cheap.skipped = cheap.wait
+        assert cheap.plan(committed, limit=4) is None
+        cheap.length(torch.full((12, 4), confidence), limit=4)
+        assert (cheap.pays, cheap.losing_looks) == (pays, losing_looks)
+
+
+def test_looks_are_priced_by_their_own_timings():
+    """A look reads the context the skipped rounds held back (a new call's whole prompt in a wide batch), so it costs
+    more than the rounds that draft back to back: its wait follows what looks took, kept for the next process."""
+    model = CostModel(4)
+    for count, seconds in enumerate((1.0, 2.0, 3.0, 4.0, 5.0)):
+        model.observe_verify(count, seconds)
+    drafting = CostAwareDrafting(lambda batch_size, context: model)
+    committed = [torch.tensor([1, 2, 3])] * 12
+    assert drafting.plan(committed, limit=4) is None and not drafting.looking  # drafting pays until a round says not
+    drafting.drafted(5.0, batch_size=12)  # builds the draft's kernels: not counted
+    drafting.length(torch.full((12, 4), 0.01), limit=4)
+    drafting.skipped = drafting.wait
+    for _ in range(2):
+        assert drafting.plan(committed, limit=4) is None and drafting.looking
+        drafting.drafted(0.6, batch_size=12)  # drafting and reading the held-back context: 0.6 of a step
+        drafting.length(torch.full((12, 4), 0.01), limit=4)
+        drafting.losing_looks = 0  # the look's price alone
+        assert drafting._longest_wait(12) == 80  # (0.6 + 1.0 verifying a draft) / 2% of the time
+        drafting.skipped = drafting.wait
+    model.observe_draft(0.1)  # rounds drafting back to back are cheaper, and do not make looks cheaper
+    assert model.costs().draft_seconds < 0.6 and drafting._longest_wait(12) == 80
+    restored = CostModel(4)
+    restored.restore(json.loads(json.dumps(model.state())))
+    assert restored.look_seconds == model.look_seconds == pytest.approx(0.6)
 
 
 def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_plain_steps():
