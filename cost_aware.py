@@ -23,6 +23,7 @@ is installed (`generation_domino.py`), and verifies whole blocks without it.
 import atexit
 import math
 import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -268,8 +269,9 @@ class CostAwareDrafting:
     drafting lose clearly (`CLEAR_LOSS`: a text the draft guesses badly), it waits that longest at once; each call's
     first round that may draft looks where a look is cheaper than a plain step, since a call brings new text
     (`start_call`).
-    Where drafted rounds at a batch size turned out slower than plain steps (`realized_gain`, which a new process takes
-    from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where they lost
+    Where drafted rounds at a batch size (pooled with the sizes like it: `batch_bucket`) turned out slower than plain
+    steps (`realized_gain`, which a new process takes from the last, less a share of the loss:
+    `STORED_LOSS_RECOVERY`), it drafts only those looks; where they lost
     clearly (`CLEAR_LOSS`) and a look costs more than a plain step, a process arriving at that batch size, new or not,
     looks as seldom as the budget allows from its first round there (a cheap look goes on looking soon: the loss may
     have been the text's, not the batch's).
@@ -307,8 +309,8 @@ class CostAwareDrafting:
         self.looking = False  # whether the round being drafted is a look (drafting did not pay)
         self.losing_looks = 0  # looks in a row since drafting last paid
         self.new_call = False  # set by `start_call`, until the call's first round that may draft
-        # Per batch size: drafted rounds' tokens per second over plain steps', as they turned out (a running average;
-        # a batch size without rounds of its own goes by the nearest one's), from earlier processes' rounds on.
+        # Per `batch_bucket`: drafted rounds' tokens per second over plain steps', as they turned out (a running
+        # average; a bucket without rounds of its own goes by the nearest one's), from earlier processes' rounds on.
         self.realized_gain: dict[int, float] = {} if realized_gain is None else realized_gain
         self.draft_seconds = None  # the last drafted round's, until it is verified
         # Drafts accepted, and the probability the draft predicted for them summed, over drafts verified with all
@@ -494,19 +496,20 @@ class CostAwareDrafting:
         return max(expected_rates(self.expected[None], costs)) * costs.verify_seconds[0]
 
     def _delivered(self, batch_size: int) -> bool:
-        """Whether drafted rounds at the batch size nearest `batch_size` (rows leave a batch) committed tokens at
-        least as fast as plain steps, as they turned out; True before any was timed."""
+        """Whether drafted rounds at batch sizes like `batch_size` (`batch_bucket`, else the nearest) committed
+        tokens at least as fast as plain steps, as they turned out; True before any was timed."""
         return self._gain_near(batch_size) >= 1.0
 
     def _lost_by_margin(self, batch_size: int) -> bool:
-        """Whether drafted rounds at the batch size nearest `batch_size` committed tokens slower than plain steps by
-        more than timings swing (`CLEAR_LOSS`)."""
+        """Whether drafted rounds at batch sizes like `batch_size` committed tokens slower than plain steps by more
+        than timings swing (`CLEAR_LOSS`)."""
         return self._gain_near(batch_size) < self.CLEAR_LOSS
 
     def _gain_near(self, batch_size: int) -> float:
         if not self.realized_gain:
             return 1.0
-        nearest = min(self.realized_gain, key=lambda size: (abs(size - batch_size), -size))
+        bucket = batch_bucket(batch_size)
+        nearest = min(self.realized_gain, key=lambda size: (abs(size - bucket), -size))
         return self.realized_gain[nearest]
 
     def accepted(
@@ -528,7 +531,8 @@ class CostAwareDrafting:
             if self.draft_seconds is not None and cost_model.knows_plain_step and num_verified > 0:
                 plain_rate = batch_size / cost_model.costs().verify_seconds[0]
                 gain = (batch_size + sum(num_accepted)) / (self.draft_seconds + seconds) / plain_rate
-                self.realized_gain[batch_size] = _average(self.realized_gain.get(batch_size), gain)
+                bucket = batch_bucket(batch_size)
+                self.realized_gain[bucket] = _average(self.realized_gain.get(bucket), gain)
         positions = torch.arange(num_verified)
         accepted = torch.tensor(num_accepted)[:, None]
         reached, hit = positions <= accepted, positions < accepted  # [B, k]
@@ -599,11 +603,13 @@ class _Learned:
         for do_sample in (False, True):
             name = _stored_name(do_sample, "gains")
             gains, own = self.stored.get(name), _gains_written.get((disk_key, name), {})
+            pooled = defaultdict(list)  # a file of gains per batch size (not per bucket) pools them here
             for batch_size, gain in gains.items() if isinstance(gains, dict) else ():
                 if batch_size.isdigit() and isinstance(gain, (int, float)):  # else a file edited by hand
                     recovery = 0.0 if own.get(batch_size) == gain else STORED_LOSS_RECOVERY  # another process's
                     loss = max(0.0, 1.0 - gain)
-                    self.realized_gain[do_sample][int(batch_size)] = float(gain) + recovery * loss
+                    pooled[batch_bucket(int(batch_size))].append(float(gain) + recovery * loss)
+            self.realized_gain[do_sample] = {bucket: sum(values) / len(values) for bucket, values in pooled.items()}
         self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
 
     def cost_models_of(self, do_sample: bool) -> Callable[[int, int], CostModel]:
@@ -651,6 +657,13 @@ class _Learned:
 
 
 SHORTEST_CONTEXT = 256  # contexts up to this many tokens share a cost model; longer ones one per doubling
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The batch sizes whose drafted rounds' realized gains are pooled: the power of two at or above `batch_size`.
+    Rows leave a batch one by one, so a batch size between two others runs few rounds, and one round (a lucky one,
+    or one that paid for a kernel) would decide alone whether drafting pays there."""
+    return 1 << (max(batch_size, 1) - 1).bit_length()
 
 
 def context_bucket(num_tokens: int) -> int:

@@ -527,12 +527,31 @@ def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_
     assert drafting.realized_gain[1] == 1.5
 
 
+def test_rows_leaving_a_batch_go_by_what_drafting_delivered_at_batch_sizes_like_it():
+    """Rows leave a batch one by one, so batch sizes between powers of two pool their drafted rounds' gains: one good
+    round at 10 rows does not turn drafting on where rounds at 12 rows lost."""
+    drafting = CostAwareDrafting(STEEP)
+    sure = torch.full((12, 6), 0.9)
+    assert drafting.plan([torch.tensor([1, 2, 3])] * 12, limit=6) is None
+    drafting.drafted(0.2, batch_size=12)
+    num_drafts = drafting.length(sure, limit=6)
+    seconds = 0.2 + STEEP.verify_seconds[num_drafts]
+    drafting.accepted(num_drafts, [0] * 12, seconds=STEEP.verify_seconds[num_drafts])  # none accepted: a loss
+    drafting.drafted(0.2, batch_size=10)
+    drafting.length(sure[:10], limit=6)
+    drafting.accepted(num_drafts, [1] * 10, seconds=STEEP.verify_seconds[num_drafts])  # 2 tokens a row: a gain
+    assert 2 / seconds > 1.0 and list(drafting.realized_gain) == [16]
+    assert drafting.realized_gain[16] == pytest.approx(0.7 * (1 / seconds) + 0.3 * (2 / seconds))
+    assert drafting.realized_gain[16] < 1.0
+    assert drafting.plan([torch.tensor([1, 2, 3])] * 10, limit=6).shape == (10, 0)  # plain steps at 10 rows too
+
+
 def test_a_process_arriving_where_drafting_lost_clearly_looks_seldom_from_its_first_round_where_a_look_is_dear():
     wide = FixedCosts(DraftCosts(verify_seconds=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0), draft_seconds=0.6))
     narrow = FixedCosts(STEEP)
     drafting = CostAwareDrafting(
         lambda batch_size, context: wide if batch_size >= 8 else narrow,
-        realized_gain={1: 1.5, 2: 0.7, 8: 0.95, 12: 0.7},
+        realized_gain={1: 1.5, 2: 0.7, 8: 0.95, 16: 0.7},
     )
     sure = torch.full((1, 6), 0.9)
     assert drafting.plan([torch.tensor([1, 2, 3])], limit=6) is None  # batch 1: drafting pays
