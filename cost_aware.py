@@ -305,7 +305,6 @@ class CostAwareDrafting:
         self.look_ahead = not do_sample  # greedy drafts may be verified for their successors' confidence too
         self.expected: torch.Tensor | None = None  # [S]: recent rounds' calibrated reach (`expected_rates`), per token
         self.pays, self.skipped, self.wait = True, 0, 1
-        self.looking = False  # whether the round being drafted is a look (drafting did not pay)
         self.losing_looks = 0  # looks in a row since drafting last paid
         self.new_call = False  # set by `start_call`, until the call's first round that may draft
         # Per `batch_bucket`: drafted rounds' tokens per second over plain steps', as they turned out (a running
@@ -363,7 +362,6 @@ class CostAwareDrafting:
             self.skipped = max(self.skipped, self.wait)
         self.new_call = False
         drafts = self.pays or self.skipped >= self.wait
-        self.looking = drafts and not self.pays
         if tree and drafts:
             return None  # the tree takes the looked-up tokens as a branch (`lookup_branch`)
         looked_up = self._look_up(sequences, limit, costs)
@@ -412,9 +410,9 @@ class CostAwareDrafting:
         return prompt_lookup(sequence, self.max_ngram_size, limit)[::-1]
 
     def drafted(self, seconds: float, batch_size: int) -> None:
-        """A drafting round of `batch_size` rows took `seconds`."""
+        """A drafting round of `batch_size` rows took `seconds`; where drafting did not pay, the round was a look."""
         cost_model = self._cost_model(batch_size)
-        cost_model.observe_draft(seconds, look=self.looking)
+        cost_model.observe_draft(seconds, look=not self.pays)
         self.draft_seconds = seconds if cost_model.drafting_timed else None  # not while its kernels are built
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:

@@ -487,12 +487,12 @@ def test_looks_are_priced_by_their_own_timings():
         model.observe_verify(count, seconds)
     drafting = CostAwareDrafting(lambda batch_size, context: model)
     committed = [torch.tensor([1, 2, 3])] * 12
-    assert drafting.plan(committed, limit=4) is None and not drafting.looking  # drafting pays until a round says not
+    assert drafting.plan(committed, limit=4) is None and drafting.pays  # drafting pays until a round says not
     drafting.drafted(5.0, batch_size=12)  # builds the draft's kernels: not counted
     drafting.length(torch.full((12, 4), 0.01), limit=4)
     drafting.skipped = drafting.wait
     for _ in range(2):
-        assert drafting.plan(committed, limit=4) is None and drafting.looking
+        assert drafting.plan(committed, limit=4) is None and not drafting.pays  # a look
         drafting.drafted(0.6, batch_size=12)  # drafting and reading the held-back context: 0.6 of a step
         drafting.length(torch.full((12, 4), 0.01), limit=4)
         drafting.losing_looks = 0  # the look's price alone
