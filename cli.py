@@ -96,7 +96,6 @@ def generate_data(argv: list[str]) -> None:
     generation's engine; neither package imports the other, so the two meet here)."""
     import functools
 
-    from .generation.cpu import optimize_for_cpu
     from .generation.engine import speculative_generate
     from .targets import load_target
     from .training.data import kept_responses, load_prompts, regenerate_responses
@@ -119,9 +118,7 @@ def generate_data(argv: list[str]) -> None:
         return
     prompts = load_prompts(args.prompts, limit=args.limit)  # before the target: a bad file fails without the wait
     target, tokenizer = load_target(args.target)
-    if target.device.type == "cpu":  # a batch of rows per step: row counts eager nn.Linear is slow at
-        print("preparing the target for batched passes on this CPU (optimize_for_cpu)", flush=True)
-        optimize_for_cpu(target)
+    prepare_for_cpu(target, "batched passes")  # a batch of rows per step: row counts eager nn.Linear is slow at
     existed = os.path.exists(args.output)
     try:
         written = regenerate_responses(
@@ -147,10 +144,18 @@ def generate_data(argv: list[str]) -> None:
 def cache_features(argv: list[str]) -> None:
     """`domino-spec cache-features`, its target's prefills run with the CPU kernels `optimize_for_cpu` plans (15-20%
     faster at a conversation's rows than eager `nn.Linear` on CPUs measured; the features are the same to fp16)."""
-    from .generation.cpu import optimize_for_cpu
     from .training.cache_features import main
 
-    main(argv, prepare_target=optimize_for_cpu)
+    main(argv, prepare_target=lambda target: prepare_for_cpu(target, "long prefills"))
+
+
+def prepare_for_cpu(target, passes: str) -> None:
+    """Plan the kernels of a CPU `target` for `passes` (`optimize_for_cpu`), saying so; a target elsewhere stays."""
+    from .generation.cpu import optimize_for_cpu
+
+    if target.device.type == "cpu":
+        print(f"preparing the target for {passes} on this CPU (optimize_for_cpu)", flush=True)
+        optimize_for_cpu(target)
 
 
 # ---------------------------------------------------------------------- entry point

@@ -28,7 +28,7 @@ class CacheArguments:
 
 
 def main(argv: list[str], prepare_target: Callable | None = None) -> None:
-    """Build (or resume) the store; `prepare_target(target)` runs first on a CPU target (the CLI passes
+    """Build (or resume) the store; `prepare_target(target)` runs first (the CLI's plans a CPU target's kernels with
     `optimize_for_cpu`, which training does not import)."""
     draft_args, training_args, cache_args = parse_train_arguments(
         argv,
@@ -40,8 +40,7 @@ def main(argv: list[str], prepare_target: Callable | None = None) -> None:
         extra_arguments=(CacheArguments,),
     )
     target, tokenizer, dataset, _ = load_target_and_data(draft_args)
-    if prepare_target is not None and target.device.type == "cpu":
-        print("preparing the target for long prefills on this CPU (optimize_for_cpu)", flush=True)
+    if prepare_target is not None:
         prepare_target(target)
     if draft_args.init_from:
         layer_ids = DominoConfig.from_pretrained(draft_args.init_from).target_layer_ids
