@@ -137,8 +137,8 @@ class CostModel:
         self.verify_seconds: list[float | None] = [None] * (num_drafts + 1)
         self.timings = 0
         self.last_timed: list[int | None] = [None] * (num_drafts + 1)  # per count: `timings` when last timed here
-        self.draft_seconds: float | None = None
-        self.look_seconds: float | None = None  # drafting rounds after skipped ones, their held-back context read
+        self.draft_seconds: float | None = None  # rounds drafting back to back, each reading the last round's context
+        self.catch_up_seconds: float | None = None  # rounds reading more: a call's prompt, skipped rounds' context
         self.draft_rounds = 0
         if prior is None:
             prior = DraftCosts(tuple(_prior_steps(k) for k in range(num_drafts + 1)), PRIOR_DRAFT_STEPS)
@@ -165,14 +165,17 @@ class CostModel:
             if estimate is not None and estimate > predicted and stale:
                 self.verify_seconds[longer] = estimate - STALE_RELAXATION * (estimate - predicted)
 
-    def observe_draft(self, seconds: float, look: bool = False) -> None:
-        """A drafting round took `seconds`; a `look` (a round after skipped ones, where drafting did not pay) also
-        read the context the skipped rounds held back, so looks are priced by their own timings too."""
+    def observe_draft(self, seconds: float, catch_up: bool = False) -> None:
+        """A drafting round took `seconds`; a `catch_up` round also read context no drafting round read before (a
+        call's prompt, the context of rounds that did not draft), so the two are priced apart: a look after skipped
+        rounds costs what catching up costs, drafting back to back what `draft_seconds` says."""
         self.draft_rounds += 1
-        if self.draft_rounds > 1:  # the first round at a batch size builds the draft's kernels for its shapes
+        if self.draft_rounds == 1:  # the first round at a batch size builds the draft's kernels for its shapes
+            return
+        if catch_up:
+            self.catch_up_seconds = _average(self.catch_up_seconds, seconds)
+        else:
             self.draft_seconds = _average(self.draft_seconds, seconds)
-            if look:
-                self.look_seconds = _average(self.look_seconds, seconds)
 
     @property
     def knows_plain_step(self) -> bool:
@@ -191,7 +194,7 @@ class CostModel:
 
     def state(self) -> dict:
         """What was timed, as JSON values (`restore`)."""
-        return {"verify_seconds": self.verify_seconds, "draft": self.draft_seconds, "look": self.look_seconds}
+        return {"verify_seconds": self.verify_seconds, "draft": self.draft_seconds, "catch_up": self.catch_up_seconds}
 
     def restore(self, state: dict) -> None:
         """Go on from what another process timed (`state`); its first drafting round is still left out, since this
@@ -199,7 +202,7 @@ class CostModel:
         seconds = state.get("verify_seconds")
         if isinstance(seconds, list) and len(seconds) == len(self.verify_seconds):  # else a file edited by hand
             self.verify_seconds = list(seconds)
-            self.draft_seconds, self.look_seconds = state.get("draft"), state.get("look")
+            self.draft_seconds, self.catch_up_seconds = state.get("draft"), state.get("catch_up")
 
     def costs(self) -> DraftCosts:
         timed = [k for k, seconds in enumerate(self.verify_seconds) if seconds is not None]
@@ -210,8 +213,9 @@ class CostModel:
                 nearest = min(timed, key=lambda j: (abs(j - k), j), default=None)
                 scale = 1.0 if nearest is None else fitted[nearest] / self.prior.verify_seconds[nearest]
             verify.append(fitted[k] if k in fitted else scale * self.prior.verify_seconds[k])
-        if self.draft_seconds is not None:
-            return DraftCosts(tuple(verify), self.draft_seconds)
+        drafting = self.draft_seconds if self.draft_seconds is not None else self.catch_up_seconds
+        if drafting is not None:
+            return DraftCosts(tuple(verify), drafting)
         return DraftCosts(tuple(verify), self.prior.draft_seconds / self.prior.verify_seconds[0] * verify[0])
 
 
@@ -244,11 +248,11 @@ class FixedCosts(CostModel):
     def observe_verify(self, num_drafts: int, seconds: float) -> None:
         pass
 
-    def observe_draft(self, seconds: float, look: bool = False) -> None:
+    def observe_draft(self, seconds: float, catch_up: bool = False) -> None:
         pass
 
     knows_plain_step = drafting_timed = timed_drafts = True
-    look_seconds = None
+    draft_seconds = catch_up_seconds = None
 
     def costs(self) -> DraftCosts:
         return self._costs
@@ -263,14 +267,15 @@ class CostAwareDrafting:
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round with
     the recent confidences (an average that halves the weight of each older round) would commit more tokens per second
     than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or more where a
-    look (a drafting round and a verify pass, priced by the looks timed at the batch size) costs so much of a step
+    look (a drafting round reading the context skipped rounds held back, and a verify pass) costs so much of a step
     that looking would take over `EXPLORATION_SHARE` of the time (a wide batch); where such a dear look keeps finding
     a loss, each one in a row waits longer (`MAX_LOSING_LOOKS`). Where the recent rounds' own confidences make
     drafting lose clearly (`CLEAR_LOSS`: a text the draft guesses badly), it waits that longest at once; each call's
     first round that may draft looks where a look is cheaper than a plain step, since a call brings new text
     (`start_call`).
     Where drafted rounds at a batch size (pooled with the sizes like it: `batch_bucket`) turned out slower than plain
-    steps (`realized_gain`, which a new process takes from the last, less a share of the loss:
+    steps, counting what they did for the call (`call_progress`: a batch call waits for its furthest-behind row)
+    (`realized_gain`, which a new process takes from the last, less a share of the loss:
     `STORED_LOSS_RECOVERY`), it drafts only those looks; where they lost clearly (`CLEAR_LOSS`) and a look costs more
     than a plain step, a process arriving at that batch size, new or not, looks as seldom as the budget allows from
     its first round there (a cheap look goes on looking soon: the loss may have been the text's, not the batch's).
@@ -307,7 +312,8 @@ class CostAwareDrafting:
         self.pays, self.skipped, self.wait = True, 0, 1
         self.losing_looks = 0  # looks in a row since drafting last paid
         self.new_call = False  # set by `start_call`, until the call's first round that may draft
-        # Per `batch_bucket`: drafted rounds' tokens per second over plain steps', as they turned out (a running
+        self.held_back = True  # whether the draft has context no drafting round read: a call's prompt, skipped rounds'
+        # Per `batch_bucket`: drafted rounds' call progress per second over plain steps', as it turned out (a running
         # average; a bucket without rounds of its own goes by the nearest one's), from earlier processes' rounds on.
         self.realized_gain: dict[int, float] = {} if realized_gain is None else realized_gain
         self.draft_seconds = None  # the last drafted round's, until it is verified
@@ -367,7 +373,7 @@ class CostAwareDrafting:
         looked_up = self._look_up(sequences, limit, costs)
         if looked_up is None and drafts:
             return None
-        self.skipped += 1
+        self.skipped, self.held_back = self.skipped + 1, True
         return looked_up if looked_up is not None else sequences[0].new_zeros(len(sequences), 0)
 
     def _look_up(self, sequences: list[torch.Tensor], limit: int, costs: DraftCosts) -> torch.Tensor | None:
@@ -410,9 +416,15 @@ class CostAwareDrafting:
         return prompt_lookup(sequence, self.max_ngram_size, limit)[::-1]
 
     def drafted(self, seconds: float, batch_size: int) -> None:
-        """A drafting round of `batch_size` rows took `seconds`; where drafting did not pay, the round was a look."""
+        """A drafting round of `batch_size` rows took `seconds`. Reading held-back context (a look after skipped
+        rounds, a call's prompt) is what looking costs (`_look_steps`); the round's realized gain is charged what
+        drafting back to back costs, where that was timed: else one catch-up after a wide batch's skipped rounds would
+        say drafting does not pay at the batch size its rows leave for."""
         cost_model = self._cost_model(batch_size)
-        cost_model.observe_draft(seconds, look=not self.pays)
+        catch_up, self.held_back = self.held_back, False
+        cost_model.observe_draft(seconds, catch_up)
+        if catch_up and cost_model.draft_seconds is not None:
+            seconds = cost_model.draft_seconds
         self.draft_seconds = seconds if cost_model.drafting_timed else None  # not while its kernels are built
 
     def length(self, confidence: torch.Tensor, limit: int) -> int:
@@ -475,11 +487,11 @@ class CostAwareDrafting:
 
     def _look_steps(self, batch_size: int) -> float:
         """What a look that verifies drafts costs beyond a plain step, in plain steps: its drafting round (as the
-        looks timed at `batch_size` took, reading the context skipped rounds held back, else as drafting rounds took)
+        rounds catching up on held-back context took at `batch_size`, else as drafting rounds took)
         and at least a pass over one draft (in a wide batch the pass's extra rows cost more than the drafting)."""
         cost_model = self._cost_model(batch_size)
         costs = cost_model.costs()
-        drafting = costs.draft_seconds if cost_model.look_seconds is None else cost_model.look_seconds
+        drafting = costs.draft_seconds if cost_model.catch_up_seconds is None else cost_model.catch_up_seconds
         verify = costs.verify_seconds
         return (drafting + (verify[1] - verify[0] if len(verify) > 1 else 0.0)) / verify[0]
 
@@ -515,10 +527,13 @@ class CostAwareDrafting:
         num_accepted: list[int],
         seconds: float | None = None,
         committed: torch.Tensor | None = None,
+        remaining: list[int] | None = None,
     ) -> None:
         """After verifying: how many of the `num_verified` tokens each row accepted, and, if timed, the seconds the
         verify pass (with acceptance) took. `committed` `[B, >= k + 1]`, each row's accepted tokens then the target's,
-        says how far the looked-up tokens the round did not verify alone would have been accepted."""
+        says how far the looked-up tokens the round did not verify alone would have been accepted. `remaining`, each
+        row's tokens left to its length budget before the round, says what the round did for the call
+        (`call_progress`)."""
         if seconds is not None:
             batch_size = len(num_accepted)
             cost_model = self._cost_model(batch_size)
@@ -526,8 +541,8 @@ class CostAwareDrafting:
             # Only rounds that verified drafts say whether drafts deliver what they promised: a round whose own
             # length chose none (a look while drafting does not pay) would only confirm that it does not.
             if self.draft_seconds is not None and cost_model.knows_plain_step and num_verified > 0:
-                plain_rate = batch_size / cost_model.costs().verify_seconds[0]
-                gain = (batch_size + sum(num_accepted)) / (self.draft_seconds + seconds) / plain_rate
+                steps = call_progress(num_accepted, remaining)
+                gain = steps / (self.draft_seconds + seconds) * cost_model.costs().verify_seconds[0]
                 bucket = batch_bucket(batch_size)
                 self.realized_gain[bucket] = _average(self.realized_gain.get(bucket), gain)
         positions = torch.arange(num_verified)
@@ -554,7 +569,7 @@ class CostAwareDrafting:
     def start_call(self) -> None:
         """A new call: its text may be one the draft guesses better than the last call's, so its first round that may
         draft looks, where a look costs less than a plain step (a dear look keeps its wait)."""
-        self.new_call = True
+        self.new_call = self.held_back = True
         self.forget_round()
 
     def forget_round(self) -> None:
@@ -651,6 +666,17 @@ class _Learned:
             _gains_written.update({(self.disk_key, name): gains for name, gains in delivered.items()})
             self.stored |= timed | delivered
             write_cache(self.path, read_cache(self.path) | {self.disk_key: self.stored})
+
+
+def call_progress(num_accepted: list[int], remaining: list[int] | None = None) -> float:
+    """The plain decode steps a round saved its call: a batch call lasts until its furthest-behind row reaches its
+    budget, so the round moved the call on by how much closer its furthest-behind rows got (rows with `remaining`
+    tokens left before the round, committing their accepted tokens and the target's); tokens the rows ahead
+    accepted only let them leave earlier. Without `remaining`, the rows' mean tokens (every row alike)."""
+    tokens = [1 + count for count in num_accepted]
+    if remaining is None:
+        return sum(tokens) / len(tokens)
+    return max(remaining) - max(left - min(count, left) for left, count in zip(remaining, tokens))
 
 
 SHORTEST_CONTEXT = 256  # contexts up to this many tokens share a cost model; longer ones one per doubling

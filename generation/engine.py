@@ -353,7 +353,7 @@ def speculative_generate(
             candidates = torch.cat([accepted_tokens[:, : setup.num_drafts], next_token[:, None]], dim=-1)  # [B, S + 1]
             candidates.scatter_(1, num_accepted[:, None], next_token[:, None])
             if drafting is not None:
-                drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds, candidates)
+                drafting.accepted(num_drafts, num_accepted.tolist(), verify_seconds, candidates, budget.tolist())
             count, finished = _commit_count(setup, candidates, torch.minimum(num_accepted + 1, budget), budget)
             record.commit(rows, candidates, count, is_round=True)
             if streamer is not None:

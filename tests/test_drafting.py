@@ -13,6 +13,7 @@ from domino_spec.cost_aware import (
     CostModel,
     FixedCosts,
     _save_all,
+    call_progress,
     capped_by_longer,
     choose_draft_length,
     context_bucket,
@@ -479,30 +480,45 @@ def test_a_wide_batch_whose_drafting_costs_most_of_a_step_looks_again_less_often
         assert (cheap.pays, cheap.losing_looks) == (pays, losing_looks)
 
 
-def test_looks_are_priced_by_their_own_timings():
+def test_looks_are_priced_by_what_catching_up_costs_and_drafted_rounds_by_what_drafting_back_to_back_costs():
     """A look reads the context the skipped rounds held back (a new call's whole prompt in a wide batch), so it costs
-    more than the rounds that draft back to back: its wait follows what looks took, kept for the next process."""
+    more than rounds that draft back to back: its wait follows what catching up took, kept for the next process,
+    while what a drafted round delivered is charged the drafting that goes on after it."""
     model = CostModel(4)
     for count, seconds in enumerate((1.0, 2.0, 3.0, 4.0, 5.0)):
         model.observe_verify(count, seconds)
     drafting = CostAwareDrafting(lambda batch_size, context: model)
     committed = [torch.tensor([1, 2, 3])] * 12
+
+    def skip_to_look() -> None:
+        while drafting.plan(committed, limit=4) is not None:
+            pass
+
     assert drafting.plan(committed, limit=4) is None and drafting.pays  # drafting pays until a round says not
     drafting.drafted(5.0, batch_size=12)  # builds the draft's kernels: not counted
     drafting.length(torch.full((12, 4), 0.01), limit=4)
-    drafting.skipped = drafting.wait
     for _ in range(2):
-        assert drafting.plan(committed, limit=4) is None and not drafting.pays  # a look
+        skip_to_look()
+        assert not drafting.pays  # a look
         drafting.drafted(0.6, batch_size=12)  # drafting and reading the held-back context: 0.6 of a step
         drafting.length(torch.full((12, 4), 0.01), limit=4)
         drafting.losing_looks = 0  # the look's price alone
         assert drafting._longest_wait(12) == 80  # (0.6 + 1.0 verifying a draft) / 2% of the time
-        drafting.skipped = drafting.wait
-    model.observe_draft(0.1)  # rounds drafting back to back are cheaper, and do not make looks cheaper
-    assert model.costs().draft_seconds < 0.6 and drafting._longest_wait(12) == 80
+    assert model.catch_up_seconds == pytest.approx(0.6) and model.costs().draft_seconds == pytest.approx(0.6)
+    drafting.accepted(1, [1] * 12, seconds=2.0)
+    assert drafting.realized_gain[16] == pytest.approx(2 / 2.6)  # no back-to-back round timed: the look's own time
+    drafting.drafted(0.1, batch_size=12)  # the next round drafts too, back to back: cheaper
+    assert model.costs().draft_seconds == pytest.approx(0.1) and drafting._longest_wait(12) == 80
+    skip_to_look()
+    drafting.drafted(0.6, batch_size=12)
+    drafting.length(torch.full((12, 4), 0.01), limit=4)
+    drafting.realized_gain.clear()
+    drafting.accepted(1, [1] * 12, seconds=2.0)
+    assert drafting.realized_gain[16] == pytest.approx(2 / 2.1)  # charged 0.1: catching up was the look's price
     restored = CostModel(4)
     restored.restore(json.loads(json.dumps(model.state())))
-    assert restored.look_seconds == model.look_seconds == pytest.approx(0.6)
+    assert restored.catch_up_seconds == model.catch_up_seconds == pytest.approx(0.6)
+    assert restored.draft_seconds == pytest.approx(0.1)
 
 
 def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_plain_steps():
@@ -525,6 +541,27 @@ def test_drafting_stops_at_a_batch_size_where_its_rounds_turned_out_slower_than_
     drafting.drafted(0.2, batch_size=1)
     drafting.accepted(0, [0], seconds=STEEP.verify_seconds[0])  # a look that verified no draft measures no gain
     assert drafting.realized_gain[1] == 1.5
+
+
+def test_a_batch_round_counts_what_it_did_for_the_call_its_furthest_behind_row_decides():
+    """A batch call lasts until its furthest-behind row reaches its budget: tokens the rows ahead accept only let
+    them leave earlier, so a round where they alone accept saved the call one plain step, not their mean."""
+    assert call_progress([3, 0, 0], remaining=[10, 10, 10]) == 1  # the rows behind accepted nothing
+    assert call_progress([0, 3], remaining=[5, 10]) == 4  # the row behind accepted 3: 10 -> 6 tokens left
+    assert call_progress([0, 2], remaining=[10, 9]) == 1  # the row ahead's tokens: the call still needs 9 steps
+    assert call_progress([0, 5], remaining=[1, 3]) == 3  # budgets end both rows: the call is done
+    assert call_progress([1, 3]) == 3  # no budgets: the rows' mean tokens
+    drafting = CostAwareDrafting(STEEP)
+    committed = [torch.tensor([1, 2, 3])] * 4
+    assert drafting.plan(committed, limit=6) is None
+    drafting.drafted(0.2, batch_size=4)
+    num_drafts = drafting.length(torch.full((4, 6), 0.9), limit=6)
+    seconds = 0.2 + STEEP.verify_seconds[num_drafts]
+    accepted = [num_drafts, num_drafts, 0, 0]  # half the rows accept every draft: their mean beats a plain step
+    assert (1 + sum(accepted) / 4) / seconds > 1.0
+    drafting.accepted(num_drafts, accepted, seconds=STEEP.verify_seconds[num_drafts], remaining=[64] * 4)
+    assert drafting.realized_gain[4] == pytest.approx(1 / seconds)  # the call moved one step
+    assert drafting.plan(committed, limit=6).shape == (4, 0)  # plain steps
 
 
 def test_rows_leaving_a_batch_go_by_what_drafting_delivered_at_batch_sizes_like_it():
