@@ -669,10 +669,10 @@ class _Learned:
 
 
 def call_progress(num_accepted: list[int], remaining: list[int] | None = None) -> float:
-    """The plain decode steps a round saved its call: a batch call lasts until its furthest-behind row reaches its
-    budget, so the round moved the call on by how much closer its furthest-behind rows got (rows with `remaining`
-    tokens left before the round, committing their accepted tokens and the target's); tokens the rows ahead
-    accepted only let them leave earlier. Without `remaining`, the rows' mean tokens (every row alike)."""
+    """How many plain decode steps' worth a round moved its call on (a plain step: 1). A batch call lasts until its
+    furthest-behind row reaches its budget, so that is how much closer its furthest-behind rows got (rows with
+    `remaining` tokens left before the round, each committing its accepted tokens and the target's); the tokens rows
+    ahead accept only let them leave earlier. Without `remaining`, the rows' mean tokens (every row alike)."""
     tokens = [1 + count for count in num_accepted]
     if remaining is None:
         return sum(tokens) / len(tokens)

@@ -161,7 +161,12 @@ class DraftLengthPolicy(Protocol):
     def length(self, confidence: torch.Tensor, limit: int) -> int: ...
     def tree_size(self, path_probs: torch.Tensor) -> int: ...
     def accepted(
-        self, num_verified: int, num_accepted: list[int], seconds: float | None = None, committed=None, remaining=None
+        self,
+        num_verified: int,
+        num_accepted: list[int],
+        seconds: float | None = None,
+        committed: torch.Tensor | None = None,
+        remaining: list[int] | None = None,
     ): ...
 
 
