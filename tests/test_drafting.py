@@ -564,6 +564,31 @@ def test_a_batch_round_counts_what_it_did_for_the_call_its_furthest_behind_row_d
     assert drafting.plan(committed, limit=6).shape == (4, 0)  # plain steps
 
 
+def test_a_batch_calls_rounds_progress_adds_up_to_the_plain_steps_it_would_have_needed(monkeypatch):
+    """The engine tells the policy each row's tokens left to its budget, so the rounds' call progress telescopes: a
+    call of rows that all run to the budget moved on, over its rounds, by the steps plain decoding takes after the
+    prefill's token, however the rows' acceptance differed and whenever they left the batch."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    with torch.no_grad():
+        draft.head.embed_proj[2].weight.mul_(50.0)  # confident drafts: rows accept different counts
+    draft.drafting_options = DraftingOptions(draft_length="cost", draft_costs=STEEP)
+    progress = []
+
+    def recording(self, num_verified, num_accepted, seconds=None, committed=None, remaining=None):
+        progress.append(call_progress(num_accepted, remaining))
+        return accepted(self, num_verified, num_accepted, seconds, committed, remaining)
+
+    accepted = CostAwareDrafting.accepted
+    monkeypatch.setattr(CostAwareDrafting, "accepted", recording)
+    for seed in range(3):
+        input_ids = torch.randint(0, 100, (4, 6), generator=torch.Generator().manual_seed(seed))
+        progress.clear()
+        output = speculative_generate(target, draft, input_ids, max_new_tokens=20, eos_token_id=[])
+        assert output.sequences.shape[1] == 6 + 20
+        assert sum(progress) == 20 - 1 and len(progress) == output.num_rounds
+
+
 def test_rows_leaving_a_batch_go_by_what_drafting_delivered_at_batch_sizes_like_it():
     """Rows leave a batch one by one, so batch sizes between powers of two pool their drafted rounds' gains: one good
     round at 10 rows does not turn drafting on where rounds at 12 rows lost."""
