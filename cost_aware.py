@@ -273,12 +273,12 @@ class CostAwareDrafting:
     drafting lose clearly (`CLEAR_LOSS`: a text the draft guesses badly), it waits that longest at once; each call's
     first round that may draft looks where a look is cheaper than a plain step, since a call brings new text
     (`start_call`).
-    Where drafted rounds at a batch size (pooled with the sizes like it: `batch_bucket`) turned out slower than plain
-    steps, counting what they did for the call (`call_progress`: a batch call waits for its furthest-behind row)
-    (`realized_gain`, which a new process takes from the last, less a share of the loss:
-    `STORED_LOSS_RECOVERY`), it drafts only those looks; where they lost clearly (`CLEAR_LOSS`) and a look costs more
-    than a plain step, a process arriving at that batch size, new or not, looks as seldom as the budget allows from
-    its first round there (a cheap look goes on looking soon: the loss may have been the text's, not the batch's).
+    Where drafted rounds at a batch size (pooled with the sizes like it: `batch_bucket`) moved their calls on slower
+    than plain steps (`call_progress`: a batch call waits for its furthest-behind row; `realized_gain`, which a new
+    process takes from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where
+    they lost clearly (`CLEAR_LOSS`) and a look costs more than a plain step, a process arriving at that batch size,
+    new or not, looks as seldom as the budget allows from its first round there (a cheap look goes on looking soon:
+    the loss may have been the text's, not the batch's).
     A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
     run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
     its tokens are accepted is estimated per matched n-gram size and position from the run's earlier repeats, verified
