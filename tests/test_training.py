@@ -1,5 +1,6 @@
 """Training: data pipeline, loss and curriculum, DominoTrainer, the CLI, and a 2-process accelerate run."""
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -9,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -772,11 +774,20 @@ def _run(args, **kwargs):
     return subprocess.run(args, capture_output=True, text=True, timeout=300, **kwargs)
 
 
-# accelerate spawns several local processes through torchrun only in its --multi_gpu mode; without a GPU they train on
-# the CPU (use_cpu defaults on) over gloo (`--ddp_backend gloo`). It runs the CLI as a module, the README's form:
-# `accelerate launch domino-spec` would look for a file named domino-spec in the working directory.
-TWO_PROCESSES = ("accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1")
-TWO_PROCESSES += ("--mixed_precision", "no", "--dynamo_backend", "no", "-m", "domino_spec.cli")
+def _two_processes() -> tuple[str, ...]:
+    """A launcher of the CLI module on two local processes. accelerate spawns several through torchrun only in its
+    --multi_gpu mode; without a GPU they train on the CPU (use_cpu defaults on) over gloo (`--ddp_backend gloo`). It
+    runs the CLI as a module, the README's form: `accelerate launch domino-spec` would look for a file named
+    domino-spec in the working directory. Each launch rendezvous on a port free now, not torchrun's fixed default,
+    which a process another test left behind could still hold."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launcher = ("accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1")
+    launcher += ("--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no")
+    return launcher + ("-m", "domino_spec.cli")
+
+
 TRAINING_ENVIRONMENT = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -799,9 +810,8 @@ def _tiny_train_command(
 
 def _started_training(command: list[str], **popen) -> subprocess.Popen:
     """`command` with no end in sight (`--max_steps 100000`), returned once its first step is logged."""
-    process = subprocess.Popen(
-        command + ["--max_steps", "100000"], stdout=subprocess.PIPE, text=True, env=TRAINING_ENVIRONMENT, **popen
-    )
+    popen = {"env": TRAINING_ENVIRONMENT, **popen}
+    process = subprocess.Popen(command + ["--max_steps", "100000"], stdout=subprocess.PIPE, text=True, **popen)
     for line in process.stdout:
         if "'loss'" in line:
             break
@@ -1164,7 +1174,7 @@ def test_cache_features_taps_the_layers_train_will_tap(tmp_path, tiny_target_dir
 
 
 def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target_dir):
-    command, output = _tiny_train_command(tmp_path, tiny_target_dir, TWO_PROCESSES)
+    command, output = _tiny_train_command(tmp_path, tiny_target_dir, _two_processes())
     command += ["--ddp_backend", "gloo", "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "3"]
     result = _run(command + ["--log_level", "info"], env=TRAINING_ENVIRONMENT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -1185,13 +1195,23 @@ def test_two_process_accelerate_run_saves_a_loadable_draft(tmp_path, tiny_target
 
 
 def test_a_signal_to_one_of_two_processes_stops_both_at_one_checkpoint_and_rerunning_resumes(tmp_path, tiny_target_dir):
-    command, output = _tiny_train_command(tmp_path, tiny_target_dir, TWO_PROCESSES)
+    command, output = _tiny_train_command(tmp_path, tiny_target_dir, _two_processes())
     command += ["--ddp_backend", "gloo"]
-    launcher = _started_training(command, stderr=subprocess.STDOUT)
+    launcher = _started_training(
+        command, stderr=subprocess.STDOUT, env={**TRAINING_ENVIRONMENT, "PYTHONFAULTHANDLER": "1"}
+    )
     workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers
     os.kill(int(workers[1]), signal.SIGTERM)  # as when a signal reaches one process a step before the other
-    log, _ = launcher.communicate(timeout=120)
+    try:
+        log, _ = launcher.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # the workers' Python stacks (faulthandler, on SIGABRT) say where they wait
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(worker), signal.SIGABRT)
+        time.sleep(5)
+        launcher.kill()
+        pytest.fail("the two processes did not stop:\n" + launcher.communicate()[0][-20000:])
     stops = [line for line in log.splitlines() if "SIGTERM: saving a checkpoint at step" in line]
     assert len(stops) == 2 and stops[0] == stops[1], log[-3000:]  # both processes, the same step
     (checkpoint,) = [path for path in output.iterdir() if path.name.startswith("checkpoint-")]
