@@ -9,7 +9,8 @@ steps; every checkpoint is then scored twice:
   first `--tau-prompts` prompts of each bench set, `--tau-tokens` new tokens each.
 
 The x axes are the training examples seen and the CPU-hours the training process spent to reach the checkpoint (its
-wall time, read from the checkpoint's files, times its torch threads), plus, with `--label-cpu-hours`, what labelling
+wall time, read from the checkpoint's files, times its torch threads; a rerun that resumes an interrupted training
+does not count the time since the checkpoint it resumes from), plus, with `--label-cpu-hours`, what labelling
 the variant's data cost (regenerated responses against cheaper labels, at equal cost). Every variant reads the same
 data in the same order with the same seed (a variant's own `--data` flag replaces it). `--parallel` trains the
 variants at once, the cores split between them: on a small CPU a step's small matrices gain little from a second
@@ -49,7 +50,7 @@ from domino_spec.training.collator import DominoDataCollator
 from domino_spec.training.train import load_checked_data, parse_train_arguments
 from domino_spec.training.trainer import DominoTrainer
 
-STARTED = "started.json"  # in a variant's run folder: when its training began, to time its checkpoints
+STARTED = "started.json"  # in a variant's run folder: when its training began and resumed, to time its checkpoints
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -171,9 +172,7 @@ def start_training(args: argparse.Namespace, name: str, threads: int) -> subproc
     """Run (or resume) the variant's training in its own process on `threads` threads, noting when it began."""
     folder = Path(args.runs) / name
     folder.mkdir(parents=True, exist_ok=True)
-    started = folder / STARTED
-    if not started.exists():
-        started.write_text(json.dumps({"time": time.time(), "threads": threads}))
+    note_start(folder, threads, saved_checkpoints(folder))
     command = [sys.executable, "-m", "domino_spec.cli", "train", *train_flags(args, name)]
     print(f"+ OMP_NUM_THREADS={threads} " + shlex.join(command), flush=True)
     return subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -184,18 +183,36 @@ def wait(process: subprocess.Popen) -> None:
         raise SystemExit(f"training failed (status {process.returncode}): {shlex.join(process.args)}")
 
 
-def checkpoints(args: argparse.Namespace, name: str) -> list[Path]:
-    folder = Path(args.runs) / name
+def note_start(folder: Path, threads: int, saved: list[Path]) -> None:
+    """Note in `folder` when its training began, or, where it `saved` checkpoints already, when it resumed from the
+    last: the time between that checkpoint and now (a session's end, the next one's start) trained nothing it kept."""
+    started = folder / STARTED
+    if not started.exists():
+        started.write_text(json.dumps({"time": time.time(), "threads": threads}))
+    elif saved:
+        record = json.loads(started.read_text())
+        resume = {"time": time.time(), "from": saved_at(saved[-1])}
+        started.write_text(json.dumps(record | {"resumes": record.get("resumes", []) + [resume]}))
+
+
+def saved_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints in `folder` that a save finished (a kill mid-save leaves no trainer state), by step."""
     found = [path for path in folder.glob("checkpoint-*") if path.name.removeprefix("checkpoint-").isdigit()]
+    found = [path for path in found if (path / "trainer_state.json").exists()]
     return sorted(found, key=lambda path: int(path.name.removeprefix("checkpoint-")))
 
 
+def saved_at(checkpoint: Path) -> float:
+    return (checkpoint / "trainer_state.json").stat().st_mtime
+
+
 def cpu_hours(args: argparse.Namespace, name: str, checkpoint: Path) -> float:
-    """Wall hours from the training's start to the save of `checkpoint` (pauses of a resumed run included), times
-    the threads the training ran on."""
+    """Wall hours from the training's start to the save of `checkpoint`, less each stretch from a checkpoint to the
+    run resuming from it, times the threads the training ran on. Pauses of a running training (SIGSTOP) count."""
     started = json.loads((Path(args.runs) / name / STARTED).read_text())
-    wall = (checkpoint / "trainer_state.json").stat().st_mtime - started["time"]
-    return wall * started["threads"] / 3600
+    end = saved_at(checkpoint)
+    idle = sum(resume["time"] - resume["from"] for resume in started.get("resumes", []) if resume["time"] < end)
+    return (end - started["time"] - idle) * started["threads"] / 3600
 
 
 @torch.no_grad()
@@ -239,7 +256,7 @@ def score(args: argparse.Namespace, results: dict, name: str) -> None:
     points = results["curves"].setdefault(name, {})
     start = results.get("starts", {}).get(name)
     labelling = results.get("label_cpu_hours", {}).get(name, 0.0)
-    for checkpoint in checkpoints(args, name):
+    for checkpoint in saved_checkpoints(Path(args.runs) / name):
         if checkpoint.name in points:
             continue
         draft = load_draft(checkpoint, dtype=target.dtype).to(target.device).eval()

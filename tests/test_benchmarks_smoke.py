@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -380,6 +381,40 @@ def test_learning_curve_counts_a_variants_labelling_into_its_cpu_hours(tmp_path,
     assert "labelling" not in learning_curve.markdown(results)
     results["label_cpu_hours"] = args.label_cpu_hours
     assert "labelling each variant's data: regenerated 1.16, kept 0.05" in learning_curve.markdown(results)
+
+
+def test_learning_curve_leaves_the_time_between_an_interrupted_training_and_its_resumption_out_of_its_cpu_hours(
+    tmp_path,
+):
+    """A training a session's end stopped resumes in the next session from its last checkpoint: the hours between
+    them trained nothing, and the checkpoints saved before the resumption keep their hours."""
+    learning_curve = load_benchmark("learning_curve")
+    args = learning_curve.parse_args(
+        ["--config", "c.yaml", "--eval-data", "h.jsonl", "--steps", "10", "--eval-every", "5", "--data", "a.jsonl"]
+        + ["--output", str(tmp_path / "curves.json"), "--runs", str(tmp_path), "--variant", "domino="]
+    )
+    folder = tmp_path / "domino"
+    folder.mkdir()
+    learning_curve.note_start(folder, threads=2, saved=learning_curve.saved_checkpoints(folder))
+    started = json.loads((folder / learning_curve.STARTED).read_text())
+    began = started["time"] - 10 * 3600  # as a training begun ten hours ago
+    (folder / learning_curve.STARTED).write_text(json.dumps(started | {"time": began}))
+
+    def save(step: int, hours_after_start: float) -> Path:
+        checkpoint = folder / f"checkpoint-{step}"
+        checkpoint.mkdir()
+        (checkpoint / "trainer_state.json").write_text("{}")
+        os.utime(checkpoint / "trainer_state.json", (began + 3600 * hours_after_start,) * 2)
+        return checkpoint
+
+    first = save(5, hours_after_start=0.5)
+    (folder / "checkpoint-7").mkdir()  # a save a kill cut short: no trainer state, not resumed from
+    assert learning_curve.saved_checkpoints(folder) == [first]
+    learning_curve.note_start(folder, threads=2, saved=learning_curve.saved_checkpoints(folder))  # resumed now
+    resumed = json.loads((folder / learning_curve.STARTED).read_text())["resumes"][0]["time"]
+    last = save(10, hours_after_start=(resumed - began) / 3600 + 0.25)  # 0.25 hours after resuming
+    assert learning_curve.cpu_hours(args, "domino", first) == pytest.approx(2 * 0.5)
+    assert learning_curve.cpu_hours(args, "domino", last) == pytest.approx(2 * (0.5 + 0.25))
 
 
 def test_regeneration_throughput_benchmark_times_both_ways_on_the_same_answers(tmp_path):
