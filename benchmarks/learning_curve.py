@@ -172,7 +172,7 @@ def start_training(args: argparse.Namespace, name: str, threads: int) -> subproc
     """Run (or resume) the variant's training in its own process on `threads` threads, noting when it began."""
     folder = Path(args.runs) / name
     folder.mkdir(parents=True, exist_ok=True)
-    note_start(folder, threads, saved_checkpoints(folder))
+    note_start(folder, threads)
     command = [sys.executable, "-m", "domino_spec.cli", "train", *train_flags(args, name)]
     print(f"+ OMP_NUM_THREADS={threads} " + shlex.join(command), flush=True)
     return subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -183,10 +183,11 @@ def wait(process: subprocess.Popen) -> None:
         raise SystemExit(f"training failed (status {process.returncode}): {shlex.join(process.args)}")
 
 
-def note_start(folder: Path, threads: int, saved: list[Path]) -> None:
-    """Note in `folder` when its training began, or, where it `saved` checkpoints already, when it resumed from the
+def note_start(folder: Path, threads: int) -> None:
+    """Note in `folder` when its training began, or, where it saved checkpoints already, when it resumed from the
     last: the time between that checkpoint and now (a session's end, the next one's start) trained nothing it kept."""
     started = folder / STARTED
+    saved = saved_checkpoints(folder)
     if not started.exists():
         started.write_text(json.dumps({"time": time.time(), "threads": threads}))
     elif saved:

@@ -395,7 +395,7 @@ def test_learning_curve_leaves_the_time_between_an_interrupted_training_and_its_
     )
     folder = tmp_path / "domino"
     folder.mkdir()
-    learning_curve.note_start(folder, threads=2, saved=learning_curve.saved_checkpoints(folder))
+    learning_curve.note_start(folder, threads=2)
     started = json.loads((folder / learning_curve.STARTED).read_text())
     began = started["time"] - 10 * 3600  # as a training begun ten hours ago
     (folder / learning_curve.STARTED).write_text(json.dumps(started | {"time": began}))
@@ -410,7 +410,7 @@ def test_learning_curve_leaves_the_time_between_an_interrupted_training_and_its_
     first = save(5, hours_after_start=0.5)
     (folder / "checkpoint-7").mkdir()  # a save a kill cut short: no trainer state, not resumed from
     assert learning_curve.saved_checkpoints(folder) == [first]
-    learning_curve.note_start(folder, threads=2, saved=learning_curve.saved_checkpoints(folder))  # resumed now
+    learning_curve.note_start(folder, threads=2)  # resumed now
     resumed = json.loads((folder / learning_curve.STARTED).read_text())["resumes"][0]["time"]
     last = save(10, hours_after_start=(resumed - began) / 3600 + 0.25)  # 0.25 hours after resuming
     assert learning_curve.cpu_hours(args, "domino", first) == pytest.approx(2 * 0.5)
