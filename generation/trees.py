@@ -2,11 +2,11 @@
 
 The backbone runs once per round, as for a chain. The head is causal, so each branch gets its own corrected
 distribution: rolling the GRU along a branch's tokens over the backbone's states gives the distribution of that
-node's children. `grow_tree` adds nodes best first, by the probability the draft gives the path to each (the
-product of the head's probabilities along it, warped as the run samples), so every prefix of its nodes is a tree and
-the cost-aware length keeps the prefix that pays. Where the context's last tokens occurred before, the tokens that
-followed them there (prompt lookup) join the tree as one more branch (`add_branch`), with the probability the run's
-earlier looked-up tokens give each. Greedy verification follows the target's argmax down the tree (`accept_tree`):
+node's children. `grow_tree` adds nodes best first (two at a time), by the probability the draft gives the path to
+each (the product of the head's probabilities along it, warped as the run samples), so every prefix of its nodes is a
+tree and the cost-aware length keeps the prefix that pays. Where the context's last tokens occurred before, the tokens
+that followed them there (prompt lookup) join the tree as one more branch (`add_branch`), with the probability the
+run's earlier looked-up tokens give each. Greedy verification follows the target's argmax down the tree (`accept_tree`):
 the output is the target's own greedy decoding. Sampled verification (`sample_tree`) tries each reached node's
 children in turn against what is left of the target's distribution there: the tree's tokens are chosen, not drawn,
 so each is a draft whose q is all on it, and the output is distributed as the target's own sampling.
@@ -15,7 +15,8 @@ The verify pass reads `[anchor, node_1..node_N]`; each node attends to the commi
 (`tree_attention_mask`), at position anchor + depth. The engine keeps the accepted path's slots and masks the rest as
 holes, as it does for a batch's rejected drafts.
 
-Shapes: B rows, N nodes, K children offered per node, V draft vocabulary, G GRU state, R rank, C cache slots.
+Shapes: B rows, N nodes, m nodes added a step, K children offered per node, V draft vocabulary, G GRU state, R rank,
+C cache slots.
 """
 
 import torch
@@ -28,6 +29,9 @@ from ..modeling_domino import DominoBlock
 from .sampling import process_logits, sample
 
 CHILDREN_PER_NODE = 8  # each node offers its K likeliest next tokens; 8 accepts 2-4% more than 4 at 8 nodes, 16 no more
+# Nodes a growing step adds at once, in one batched GRU step: on CPU, where a step is a dozen small operations, 2 grow
+# a 16-node tree in ~30% less time than 1, accepted as often there; 4 cut deep paths short (BENCHMARKS.md, trees).
+NODES_PER_STEP = 2
 
 
 @torch.no_grad()
@@ -43,25 +47,26 @@ def grow_tree(
     """A tree of `num_nodes` drafts per row, at most `max_depth` deep, from the backbone's `block`, with the head's
     weights laid out as `options` say (the draft's `drafting_options` by default).
 
-    Best first: each step adds, in every row, the candidate with the highest path probability, runs the GRU on its
-    token from its parent's state, and offers its K likeliest children (the head's logits at the slot of its depth,
-    with `sampling`'s temperature, top-k and top-p where the run samples, as the target's warpers shape what it
-    samples). A row whose candidates run out adds nodes of path probability 0, which the cost-aware length leaves out.
+    Best first, `NODES_PER_STEP` at a time: each step adds, in every row, the candidates with the highest path
+    probabilities, runs the GRU on their tokens from their parents' states, and offers each one's K likeliest children
+    (the head's logits at the slot of its depth, with `sampling`'s temperature, top-k and top-p where the run samples,
+    as the target's warpers shape what it samples). A row whose candidates run out adds nodes of path probability 0,
+    which the cost-aware length leaves out.
     """
     head = draft.head
     options = options or draft.drafting_options
     weights = head.weights(embed_tokens, draft.draft_vocab, block.base_logits.dtype, options, whole_vocabulary=True)
     inputs = block_inputs(block.base_logits, block.hidden, block.anchor_embeds, weights)
     base_logits, rows = block.base_logits, torch.arange(block.base_logits.shape[0], device=block.base_logits.device)
-    state_width = weights.weight_ih.shape[0]  # 3G
+    batch_size, state_width = rows.shape[0], weights.weight_ih.shape[0]  # B, 3G
 
-    def offer(state: torch.Tensor, depth: torch.Tensor, path_prob: torch.Tensor):
-        """The K likeliest children `[B, K]` of nodes with GRU `state` `[B, G]` at `depth` `[B]`: their draft
-        vocabulary indices and path probabilities, and the nodes' state projection `[B, 3G + R]`."""
+    def offer(state: torch.Tensor, depth: torch.Tensor, path_prob: torch.Tensor, row: torch.Tensor):
+        """The K likeliest children `[M, K]` of M nodes of rows `row` `[M]` with GRU `state` `[M, G]` at `depth`
+        `[M]`: their draft vocabulary indices and path probabilities, and the nodes' state projection `[M, 3G + R]`."""
         projected = F.linear(state, weights.state_weight)
         slot = depth.clamp(max=base_logits.shape[1] - 1)
-        logits = base_logits[rows, slot]  # [B, V]
-        activation = F.silu(inputs.hidden_part[rows, slot] + projected[:, state_width:]).to(logits.dtype)  # [B, R]
+        logits = base_logits[row, slot]  # [M, V]
+        activation = F.silu(inputs.hidden_part[row, slot] + projected[:, state_width:]).to(logits.dtype)  # [M, R]
         residual = activation @ weights.up_columns
         logits = torch.where((slot >= head.first_corrected_slot)[:, None], logits + residual, logits)
         logits = logits.float() if sampling is None else sampling.warp(logits.float())
@@ -70,33 +75,39 @@ def grow_tree(
         return indices, probs, projected
 
     root_depth = torch.zeros_like(rows)
-    indices, probs, projected = offer(inputs.state, root_depth, torch.ones_like(rows, dtype=torch.float32))
+    indices, probs, projected = offer(inputs.state, root_depth, torch.ones_like(rows, dtype=torch.float32), rows)
     candidates = [indices, probs, torch.zeros_like(indices), torch.ones_like(indices)]  # index, prob, parent, depth
-    states, projections = [inputs.state], [projected]
+    states, projections = [inputs.state[:, None]], [projected[:, None]]  # node i's at [:, i] once concatenated
     tokens, parents, path_probs = [], [], []
-    for _ in range(num_nodes):
-        index, prob, parent, depth = candidates
-        best = prob.argmax(-1, keepdim=True)  # [B, 1]
-        chosen_index, chosen_prob, chosen_parent, chosen_depth = (c.gather(1, best).squeeze(1) for c in candidates)
+    num_added = 0
+    while num_added < num_nodes:
+        step = min(NODES_PER_STEP, num_nodes - num_added)
+        prob = candidates[1]
+        best = prob.topk(step, dim=-1).indices  # [B, m]
+        chosen_index, chosen_prob, chosen_parent, chosen_depth = (c.gather(1, best) for c in candidates)  # [B, m]
         prob.scatter_(1, best, -1.0)  # taken
-        parent_state = torch.stack(states, 1)[rows, chosen_parent]  # [B, G]
-        parent_gates = torch.stack(projections, 1)[rows, chosen_parent, :state_width]  # [B, 3G]
-        state = gru_cell(input_gates(weights, chosen_index), parent_gates, parent_state)
+        parent_state = torch.cat(states, 1)[rows[:, None], chosen_parent].flatten(0, 1)  # [B*m, G]
+        parent_gates = torch.cat(projections, 1)[rows[:, None], chosen_parent, :state_width].flatten(0, 1)  # [B*m, 3G]
+        state = gru_cell(input_gates(weights, chosen_index).flatten(0, 1), parent_gates, parent_state)
         path_prob = chosen_prob.clamp(min=0.0)
-        new_indices, new_probs, projected = offer(state, chosen_depth, path_prob)
-        states.append(state)
-        projections.append(projected)
+        new_indices, new_probs, projected = offer(
+            state, chosen_depth.flatten(), path_prob.flatten(), rows.repeat_interleave(step)
+        )
+        states.append(state.view(batch_size, step, -1))
+        projections.append(projected.view(batch_size, step, -1))
+        new_nodes = num_added + 1 + torch.arange(step, device=rows.device)  # their numbers (0: the anchor)
         offered = (
-            new_indices,
-            new_probs,
-            torch.full_like(new_indices, len(states) - 1),
-            (chosen_depth + 1)[:, None].expand_as(new_indices),
+            new_indices.view(batch_size, -1),
+            new_probs.view(batch_size, -1),
+            new_nodes.repeat_interleave(CHILDREN_PER_NODE).expand(batch_size, -1),
+            (chosen_depth + 1).repeat_interleave(CHILDREN_PER_NODE, dim=1),
         )
         candidates = [torch.cat([old, new], 1) for old, new in zip(candidates, offered)]
         tokens.append(token_ids(chosen_index, draft.draft_vocab))
         parents.append(chosen_parent)
         path_probs.append(path_prob)
-    return DraftTree(torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(path_probs, 1))
+        num_added += step
+    return DraftTree(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(path_probs, 1))
 
 
 def add_branch(tree: DraftTree, branches: list[tuple[torch.Tensor, torch.Tensor]], max_nodes: int) -> DraftTree:

@@ -105,18 +105,24 @@ def test_sampling_down_a_hand_made_tree_draws_each_token_from_the_targets_distri
     assert (valid[:, 0]).all() and torch.equal(valid[:, 1:].sum(-1), count)
 
 
-def test_a_trees_first_branch_is_the_greedy_chain_and_path_probabilities_fall_along_it():
-    target, draft = small_vocabulary_models("qwen3")
-    prompt = random_prompts(1, seed=3, vocab_size=VOCAB_SIZE)[0]
-    outputs = target(prompt, output_hidden_states=True)
+def drafted_block(target, draft, prompts: torch.Tensor):
+    """The draft's block after the last token of each row of `prompts` `[B, T]`, the tokens before it as context."""
     from domino_spec.cache_domino import DominoContextCache
 
+    outputs = target(prompts, output_hidden_states=True)
     cache = DominoContextCache()
-    positions = torch.arange(prompt.shape[1])[None]
+    positions = torch.arange(prompts.shape[1]).expand_as(prompts)
     features = draft.fuse_target_hidden_states(outputs.hidden_states)
     draft.extend_context(cache, features[:, :-1], positions[:, :-1])
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    block = draft.block_logits(prompt[:, -1], positions[:, -1], cache, embed, head)
+    return draft.block_logits(prompts[:, -1], positions[:, -1], cache, embed, head)
+
+
+def test_a_trees_first_branch_is_the_greedy_chain_and_path_probabilities_fall_along_it():
+    target, draft = small_vocabulary_models("qwen3")
+    prompt = random_prompts(1, seed=3, vocab_size=VOCAB_SIZE)[0]
+    embed = target.get_input_embeddings()
+    block = drafted_block(target, draft, prompt)
     chain = draft.draft_from_block(block, embed, options=DraftingOptions())
     tree = grow_tree(draft, block, embed, num_nodes=3 * CHILDREN_PER_NODE, max_depth=draft.config.num_draft_tokens)
     node, path = 0, []
@@ -129,6 +135,21 @@ def test_a_trees_first_branch_is_the_greedy_chain_and_path_probabilities_fall_al
     assert tree.tokens[0, path].tolist() == chain.tokens[0, : len(path)].tolist()
     assert torch.allclose(tree.path_probs[0, path], chain.confidence[0, : len(path)].cumprod(0).float(), rtol=1e-4)
     assert (tree.parents < torch.arange(1, tree.parents.shape[1] + 1)).all()  # a parent comes before its children
+
+
+@pytest.mark.parametrize("num_nodes", [1, 7, 2 * CHILDREN_PER_NODE])
+def test_each_row_of_a_batch_grows_the_tree_it_grows_alone(num_nodes):
+    target, draft = small_vocabulary_models("llama")
+    prompts = torch.randint(0, VOCAB_SIZE, (3, 9), generator=torch.Generator().manual_seed(4))
+    embed, max_depth = target.get_input_embeddings(), draft.config.num_draft_tokens
+    batched = grow_tree(draft, drafted_block(target, draft, prompts), embed, num_nodes, max_depth)
+    for row in range(prompts.shape[0]):
+        alone = grow_tree(draft, drafted_block(target, draft, prompts[row : row + 1]), embed, num_nodes, max_depth)
+        assert batched.tokens[row].tolist() == alone.tokens[0].tolist()
+        assert batched.parents[row].tolist() == alone.parents[0].tolist()
+        assert torch.allclose(batched.path_probs[row], alone.path_probs[0], rtol=1e-6)
+    assert batched.tokens.shape == (prompts.shape[0], num_nodes)
+    assert len({tuple(row) for row in batched.tokens.tolist()}) > 1  # the rows' trees differ: a mix-up would show
 
 
 def test_a_tree_round_lays_out_the_heads_weights_as_the_runs_options_say():
