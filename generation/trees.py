@@ -1,15 +1,15 @@
 """Domino trees: a round verifies a tree of drafts, not a chain, in one target pass.
 
 The backbone runs once per round, as for a chain. The head is causal, so each branch gets its own corrected
-distribution: rolling the GRU along a branch's tokens over the backbone's states gives the distribution of that
-node's children. `grow_tree` adds nodes best first (two at a time), by the probability the draft gives the path to
+distribution: rolling the GRU along a branch's tokens over the backbone's states gives the distribution of that node's
+children. `grow_tree` adds nodes best first (two a step in large trees), by the probability the draft gives the path to
 each (the product of the head's probabilities along it, warped as the run samples), so every prefix of its nodes is a
 tree and the cost-aware length keeps the prefix that pays. Where the context's last tokens occurred before, the tokens
-that followed them there (prompt lookup) join the tree as one more branch (`add_branch`), with the probability the
-run's earlier looked-up tokens give each. Greedy verification follows the target's argmax down the tree (`accept_tree`):
-the output is the target's own greedy decoding. Sampled verification (`sample_tree`) tries each reached node's
-children in turn against what is left of the target's distribution there: the tree's tokens are chosen, not drawn,
-so each is a draft whose q is all on it, and the output is distributed as the target's own sampling.
+that followed them there (prompt lookup) join the tree as one more branch (`add_branch`), with the probability the run's
+earlier looked-up tokens give each. Greedy verification follows the target's argmax down the tree (`accept_tree`): the
+output is the target's own greedy decoding. Sampled verification (`sample_tree`) tries each reached node's children in
+turn against what is left of the target's distribution there: the tree's tokens are chosen, not drawn, so each is a
+draft whose q is all on it, and the output is distributed as the target's own sampling.
 
 The verify pass reads `[anchor, node_1..node_N]`; each node attends to the committed cache and to its ancestors only
 (`tree_attention_mask`), at position anchor + depth. The engine keeps the accepted path's slots and masks the rest as
@@ -29,9 +29,11 @@ from ..modeling_domino import DominoBlock
 from .sampling import process_logits, sample
 
 CHILDREN_PER_NODE = 8  # each node offers its K likeliest next tokens; 8 accepts 2-4% more than 4 at 8 nodes, 16 no more
-# Nodes a growing step adds at once, in one batched GRU step: on CPU, where a step is a dozen small operations, 2 grow
-# a 16-node tree in ~30% less time than 1, accepted as often there; 4 cut deep paths short (BENCHMARKS.md, trees).
-NODES_PER_STEP = 2
+# Nodes a growing step adds at once, in one batched GRU step, in trees of at least PAIRED_FROM nodes: on CPU, where a
+# step is a dozen small operations, 2 grow a 16-node tree in ~30% less time than 1, accepted as often (4 cut deep
+# paths short). A smaller tree grows one node a step: there a pair spends nodes on siblings that a confident path would
+# not take (gsm_symbolic's tau -13% at 4 nodes, -1.6% at 8; BENCHMARKS.md, trees).
+NODES_PER_STEP, PAIRED_FROM = 2, 16
 
 
 @torch.no_grad()
@@ -47,11 +49,11 @@ def grow_tree(
     """A tree of `num_nodes` drafts per row, at most `max_depth` deep, from the backbone's `block`, with the head's
     weights laid out as `options` say (the draft's `drafting_options` by default).
 
-    Best first, `NODES_PER_STEP` at a time: each step adds, in every row, the candidates with the highest path
-    probabilities, runs the GRU on their tokens from their parents' states, and offers each one's K likeliest children
-    (the head's logits at the slot of its depth, with `sampling`'s temperature, top-k and top-p where the run samples,
-    as the target's warpers shape what it samples). A row whose candidates run out adds nodes of path probability 0,
-    which the cost-aware length leaves out.
+    Best first, `NODES_PER_STEP` at a time from `PAIRED_FROM` nodes on, else one: each step adds, in every row, the
+    candidates with the highest path probabilities, runs the GRU on their tokens from their parents' states, and
+    offers each one's K likeliest children (the head's logits at the slot of its depth, with `sampling`'s
+    temperature, top-k and top-p where the run samples, as the target's warpers shape what it samples). A row whose
+    candidates run out adds nodes of path probability 0, which the cost-aware length leaves out.
     """
     head = draft.head
     options = options or draft.drafting_options
@@ -79,9 +81,9 @@ def grow_tree(
     candidates = [indices, probs, torch.zeros_like(indices), torch.ones_like(indices)]  # index, prob, parent, depth
     states, projections = [inputs.state[:, None]], [projected[:, None]]  # node i's at [:, i] once concatenated
     tokens, parents, path_probs = [], [], []
-    num_added = 0
+    num_added, per_step = 0, NODES_PER_STEP if num_nodes >= PAIRED_FROM else 1
     while num_added < num_nodes:
-        step = min(NODES_PER_STEP, num_nodes - num_added)
+        step = min(per_step, num_nodes - num_added)
         prob = candidates[1]
         best = prob.topk(step, dim=-1).indices  # [B, m]
         chosen_index, chosen_prob, chosen_parent, chosen_depth = (c.gather(1, best) for c in candidates)  # [B, m]
