@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from domino_spec import DraftCosts, DraftingOptions
+from domino_spec import DominoContextCache, DraftCosts, DraftingOptions
 from domino_spec.drafting import AUTO_TREE_NODES, DraftTree
 from domino_spec.generation import left_pad, speculative_generate
 from domino_spec.generation.trees import (
@@ -107,8 +107,6 @@ def test_sampling_down_a_hand_made_tree_draws_each_token_from_the_targets_distri
 
 def drafted_block(target, draft, prompts: torch.Tensor):
     """The draft's block after the last token of each row of `prompts` `[B, T]`, the tokens before it as context."""
-    from domino_spec.cache_domino import DominoContextCache
-
     outputs = target(prompts, output_hidden_states=True)
     cache = DominoContextCache()
     positions = torch.arange(prompts.shape[1]).expand_as(prompts)
