@@ -14,6 +14,12 @@ that won some row count: at most two extra copies of the linear weights, usually
 
 The plans are kept on disk (`plan_cache_path`), keyed by the CPU, torch's version, the thread count and the weight
 shape: a process's first call pays the timing only where no earlier process on this machine timed that shape.
+
+Attention: where a target groups its key/value heads, transformers' sdpa attention copies each group for every query
+head it serves (`repeat_kv`) whenever a pass has a mask and several query tokens, as a verify pass and a batch's
+prefill have: the whole cache written again at every layer, however few tokens the pass reads. torch's CPU kernel takes
+the heads grouped (`enable_gqa`), with the same outputs (transformers keeps the copy for CUDA's fused kernels, which
+take no mask with grouped heads), so `optimize_for_cpu` runs the target's attention as `GROUPED_SDPA`.
 """
 
 import contextlib
@@ -27,6 +33,9 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cost_aware import forget_draft_costs
 from ..machine import cache_path, machine_key, read_cache, write_cache
@@ -71,6 +80,34 @@ KERNELS: dict[str, tuple[Callable, Callable[[torch.Tensor], torch.Tensor] | None
 }
 
 
+GROUPED_SDPA = "sdpa_grouped_heads"  # the attention implementation `optimize_for_cpu` gives an sdpa target
+
+
+def sdpa_with_grouped_heads(
+    module: nn.Module, query, key, value, attention_mask, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except that a masked pass over several query tokens reads grouped key/value heads
+    `[B, H_kv, T, D]` as they are, not copied for each of the query heads `[B, H, Q, D]`."""
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    if attention_mask is None or query.shape[2] == 1 or not grouped or not plain:  # transformers' own
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    output = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )
+    return output.transpose(1, 2).contiguous(), None  # [B, Q, H, D], as transformers' attention functions return
+
+
+AttentionInterface.register(GROUPED_SDPA, sdpa_with_grouped_heads)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks sdpa takes
+
+
 class PlannedLinear:
     """An `nn.Linear`'s forward that runs each row count with the kernel its plan picked. The weight layouts the plan
     needs are built now, or after `eager_calls` planned calls that run eager `F.linear`."""
@@ -111,12 +148,19 @@ class PlannedLinear:
 
 
 class CPUOptimization:
-    """What `optimize_for_cpu` changed: every planned `nn.Linear`. `restore()` (or leaving the `with` block) puts the
-    eager forwards back, `suspended()` for a while; `plans` maps each weight shape `(out, in, dtype, bias)` to its
-    kernel per tuned row count."""
+    """What `optimize_for_cpu` changed: every planned `nn.Linear` and the models whose attention became `GROUPED_SDPA`.
+    `restore()` (or leaving the `with` block) puts the eager forwards and sdpa back, `suspended()` for a while; `plans`
+    maps each weight shape `(out, in, dtype, bias)` to its kernel per tuned row count."""
 
-    def __init__(self, models: list[nn.Module], planned: dict[nn.Linear, PlannedLinear], plans: dict[tuple, dict]):
+    def __init__(
+        self,
+        models: list[nn.Module],
+        planned: dict[nn.Linear, PlannedLinear],
+        plans: dict[tuple, dict],
+        grouped_attention: list[nn.Module],
+    ):
         self.models, self.planned, self.plans = models, planned, plans
+        self.grouped_attention = grouped_attention
         self._forget_costs()
 
     @property
@@ -126,10 +170,12 @@ class CPUOptimization:
     def restore(self) -> None:
         for module in self.planned:
             module.__dict__.pop("forward", None)  # the class's nn.Linear.forward again
+        for model in self.grouped_attention:
+            model.set_attn_implementation("sdpa")
         for model in self.models:
             if hasattr(model, "derived"):
                 model.derived.__dict__.pop("prepare", None)
-        self.planned = {}
+        self.planned, self.grouped_attention = {}, []
         self._forget_costs()
 
     def _forget_costs(self) -> None:
@@ -139,14 +185,19 @@ class CPUOptimization:
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """The eager forwards inside the block (to time eager decoding beside the prepared one), planned after."""
+        """The eager forwards and sdpa inside the block (to time eager decoding beside the prepared one), planned and
+        `GROUPED_SDPA` after."""
         for module in self.planned:
             module.__dict__.pop("forward", None)
+        for model in self.grouped_attention:
+            model.set_attn_implementation("sdpa")
         try:
             yield
         finally:
             for module, forward in self.planned.items():
                 module.forward = forward
+            for model in self.grouped_attention:
+                model.set_attn_implementation(GROUPED_SDPA)
 
     def __enter__(self) -> "CPUOptimization":
         return self
@@ -253,7 +304,8 @@ def optimize_for_cpu(
     (`keep_freed_memory_for_reuse`): a process-wide setting that `restore()` does not undo.
     The target's layouts are built now, since the cost-aware draft length times its passes from the first step on;
     a draft's linears run eagerly for their first `DRAFT_EAGER_CALLS` calls, then build theirs: a process that drafts
-    a few dozen rounds (a short first call) saves more than the eager products cost.
+    a few dozen rounds (a short first call) saves more than the eager products cost. A target whose attention is sdpa
+    runs it as `GROUPED_SDPA`, which reads grouped key/value heads without copying them.
 
         with optimize_for_cpu(target, draft):
             out = speculative_generate(target, draft, input_ids)
@@ -298,7 +350,11 @@ def optimize_for_cpu(
             draft.derived.clear()  # what was built before is built again, planned
     if keep_freed_memory:
         keep_freed_memory_for_reuse()
-    return CPUOptimization(models, planned, plans)
+    config = getattr(target, "config", None)
+    grouped_attention = [target] if getattr(config, "_attn_implementation", None) == "sdpa" else []
+    for model in grouped_attention:
+        model.set_attn_implementation(GROUPED_SDPA)
+    return CPUOptimization(models, planned, plans, grouped_attention)
 
 
 def keep_freed_memory_for_reuse() -> bool:

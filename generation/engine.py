@@ -31,7 +31,7 @@ from ..drafting import (
     draft_round,
 )
 from ..transformers_compat import cache_keyword, new_dynamic_cache, takes_argument, tapped_hidden_states
-from .cpu import threads_fitted_to_load
+from .cpu import GROUPED_SDPA, threads_fitted_to_load
 from .sampling import build_logits_warpers, greedy_accept, process_logits, rejection_sample, sample
 from .trees import (
     accept_tree,
@@ -451,7 +451,7 @@ def _tree_grower(setup: _Setup, cache, input_ids: torch.Tensor) -> Callable[...,
     attention = setup.target.config._attn_implementation
     if draft.head is None:
         problem = "the draft has no Domino head to roll along each branch"
-    elif attention not in ("eager", "sdpa"):
+    elif attention not in ("eager", "sdpa", GROUPED_SDPA):
         problem = f"its {attention!r} attention takes no tree mask (eager and sdpa do)"
     elif not all(_ignores_holes(layer, max_slots) for layer in cache.layers):
         problem = "a tree's unaccepted nodes stay in its cache as masked holes, which only full attention ignores"

@@ -15,12 +15,15 @@ from domino_spec import DraftingOptions
 from domino_spec.generation import optimize_for_cpu, speculative_generate
 from domino_spec.generation.cpu import (
     DRAFT_EAGER_CALLS,
+    GROUPED_SDPA,
     TUNED_ROW_COUNTS,
     faster_thread_count,
     other_runnable_tasks,
     plan_cache_path,
     threads_fitted_to_load,
 )
+from domino_spec.generation.trees import tree_attention_mask, tree_depths
+from domino_spec.transformers_compat import cache_keyword, new_dynamic_cache
 
 from conftest import tiny_draft, tiny_target
 
@@ -101,6 +104,55 @@ def test_a_draft_vocabularys_rows_of_the_lm_head_are_planned_when_built(target):
         assert rows in optimization.planned and rows.forward.built
     assert "forward" not in rows.__dict__ and "prepare" not in draft.derived.__dict__  # restored
     torch.testing.assert_close(draft.base_logits(hidden, lm_head), eager, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_grouped_head_targets_masked_passes_read_the_heads_grouped_with_sdpas_logits(target, monkeypatch):
+    """A left-padded batch's prefill and a verify pass (a chain's 2D mask, a tree's 4D one) have a mask and several
+    query tokens: transformers' sdpa copies each key/value head for the query heads it serves there, the prepared
+    target's attention reads them as they are grouped, with the same logits; sdpa again once restored."""
+    config = target.config
+    assert config._attn_implementation == "sdpa" and config.num_attention_heads > config.num_key_value_heads
+    key_heads = []  # per attention call with a mask and several query tokens: the key heads it was given
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        if attn_mask is not None and query.shape[2] > 1:
+            key_heads.append(key.shape[1])
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    input_ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(input_ids)
+    padded[0, :3] = 0
+    parents = torch.tensor([[0, 1, 1], [0, 0, 2]])  # a tree's nodes over the anchor, per row
+
+    def passes() -> list[torch.Tensor]:
+        cache = {cache_keyword(target): new_dynamic_cache(config)}
+        prefill = target(input_ids[:, :9], attention_mask=padded[:, :9], use_cache=True, **cache)
+        positions = padded[:, :9].sum(-1, keepdim=True) + torch.arange(3)  # [B, 3], the anchor's and 2 more
+        chain = target(input_ids[:, 9:], attention_mask=padded, position_ids=positions, **cache)
+        cache[cache_keyword(target)].crop(-3)
+        tree = target(
+            torch.cat([input_ids[:, 9:10], input_ids[:, 9:]], dim=-1),  # [B, 4]: the anchor and 3 nodes
+            attention_mask=tree_attention_mask(parents, padded[:, :9], target.dtype),
+            position_ids=positions[:, :1] + tree_depths(parents),
+            **cache,
+        )
+        return [prefill.logits, chain.logits, tree.logits]
+
+    expected = passes()
+    assert key_heads and set(key_heads) == {config.num_attention_heads}  # sdpa's copies
+    key_heads.clear()
+    with optimize_for_cpu(target, plan_cache=None) as optimization:
+        assert config._attn_implementation == GROUPED_SDPA
+        for logits, wanted in zip(passes(), expected):
+            torch.testing.assert_close(logits, wanted, rtol=1e-5, atol=1e-5)
+        assert key_heads and set(key_heads) == {config.num_key_value_heads}  # grouped, as cached
+        with optimization.suspended():
+            assert config._attn_implementation == "sdpa"
+        assert config._attn_implementation == GROUPED_SDPA
+    assert config._attn_implementation == "sdpa"
 
 
 def test_gradients_take_the_eager_path(target):
