@@ -1370,6 +1370,33 @@ def test_train_on_soft_targets_from_the_command_line(tmp_path, tiny_target_dir, 
         assert (abs(online["eval_loss"] - scores["eval_loss"]) < 1e-3) == expected_equal, (soft_targets, online, scores)
 
 
+def test_bf16_autocast_on_cpu_trains_like_fp32_and_keeps_fp32_weights(tmp_path, tiny_target_dir):
+    """The recipe's `--bf16` where the CPU computes bf16 natively: the same draft, updated the same way as in fp32,
+    and saved with fp32 weights to go on training from."""
+    from domino_spec.cli import main
+
+    records = [
+        {"id": f"b{i}", "prompt_ids": [3, 10 + i, 11], "response_ids": list(range(20 + i, 40 + i))} for i in range(6)
+    ]
+    _write_jsonl(tmp_path / "data.jsonl", records)
+    flags = ["--target", tiny_target_dir, "--data", str(tmp_path / "data.jsonl"), "--draft_layers", "1", "--seed", "0"]
+    flags += ["--block_size", "4", "--num_anchors", "4", "--report_to", "none", "--disable_tqdm", "true"]
+    main(["train", *flags, "--output", str(tmp_path / "start"), "--max_steps", "1", "--learning_rate", "0"])
+    start = DominoDraftModel.from_pretrained(tmp_path / "start").state_dict()
+    updates = {}
+    for precision in ("fp32", "bf16"):
+        output = tmp_path / precision
+        main(
+            ["train", *flags, "--output", str(output), "--max_steps", "3", "--init_from", str(tmp_path / "start")]
+            + (["--bf16"] if precision == "bf16" else [])
+        )
+        weights = DominoDraftModel.from_pretrained(output).state_dict()  # in the dtype saved
+        assert all(value.dtype == torch.float32 for value in weights.values())
+        updates[precision] = torch.cat([(weights[name] - start[name]).flatten() for name in start])
+    assert not torch.equal(updates["bf16"], updates["fp32"])  # its matmuls did run in bf16
+    assert torch.nn.functional.cosine_similarity(updates["bf16"], updates["fp32"], dim=0) > 0.99
+
+
 def test_hooked_features_equal_output_hidden_states(family):
     """What training taps is what inference reads, the last layer included (transformers normalizes that one); soft
     targets are the target's own next-token distribution, cut to its likeliest tokens."""

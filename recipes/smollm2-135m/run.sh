@@ -44,9 +44,12 @@ domino-spec cache-features --config $RECIPE/train.yaml --data $DATA --output $FE
 # --max-new-tokens 256`, `cache-features --data $RUN/kept.jsonl --soft_targets 16` and a variant with --data, --features
 # and --soft_targets 16 of its own, compared at equal CPU-hours on the same held-out proxy (learning_curve.py
 # --label-cpu-hours NAME=HOURS counts what labelling each variant's data cost: the pieces' manifests for regenerated data).
-# Each leg reads the data in another order (its seed, the piece count) at a third of the first leg's learning rate.
+# Each leg reads the data in another order (its seed, the piece count) at a third of the first leg's learning rate,
+# under bf16 autocast where the CPU computes in bf16 natively (AVX-512 BF16 or AMX: more steps per CPU-hour at the
+# same loss, which the curve's CPU-hours show); elsewhere bf16 is emulated, slower than fp32.
 WARM="--warmup_steps 100"
-LEG="--soft_targets 16 --learning_rate 0.0002 --seed ${NAME%pieces}"
+BF16=$(python -c "import torch; print(int(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))")
+LEG="--soft_targets 16 --learning_rate 0.0002 --seed ${NAME%pieces}$([ "$BF16" = 1 ] && echo " --bf16")"
 PREVIOUS=$(cat $RECIPE/shipped_curve.txt)
 DFLASH=$RECIPE/dflash-bf16
 TWIN=$([ -d $DFLASH ] && echo $DFLASH || echo checkpoints/domino-smollm2-135m)
