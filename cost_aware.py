@@ -22,6 +22,7 @@ is installed (`generation_domino.py`), and verifies whole blocks without it.
 
 import atexit
 import math
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -119,6 +120,9 @@ STALE_RELAXATION = 0.05
 # drafting off for good. So each process that reads a stored loss takes this share of it back, and after a few
 # processes one looks and times it again.
 STORED_LOSS_RECOVERY = 0.5
+# Between a process's writes of what it learned at a call's start: replacing a file costs tens of milliseconds on some
+# file systems (ext4 flushes a file renamed over another), a decode step or two of a short call.
+SAVE_INTERVAL_SECONDS = 60.0
 
 
 class CostModel:
@@ -272,7 +276,8 @@ class CostAwareDrafting:
     a loss, each one in a row waits longer (`MAX_LOSING_LOOKS`). Where the recent rounds' own confidences make
     drafting lose clearly (`CLEAR_LOSS`: a text the draft guesses badly), it waits that longest at once; each call's
     first round that may draft looks where a look is cheaper than a plain step, since a call brings new text
-    (`start_call`).
+    (`start_call`), unless drafted rounds at its batch size lost clearly (a batch moves on at its slowest row's pace,
+    whatever the text).
     Where drafted rounds at a batch size (pooled with the sizes like it: `batch_bucket`) moved their calls on slower
     than plain steps (`call_progress`: a batch call waits for its furthest-behind row; `realized_gain`, which a new
     process takes from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where
@@ -364,8 +369,8 @@ class CostAwareDrafting:
             # than a plain step (a wide batch): look again as seldom as the exploration budget allows at once, not
             # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
             self.wait = max(self.wait, self._longest_wait(len(sequences)))
-        if self.new_call and self._look_steps(len(sequences)) <= 1:  # a cheap look: the call's text may pay
-            self.skipped = max(self.skipped, self.wait)
+        if self.new_call and self._look_steps(len(sequences)) <= 1 and not self._lost_by_margin(len(sequences)):
+            self.skipped = max(self.skipped, self.wait)  # a cheap look: the call's text may pay
         self.new_call = False
         drafts = self.pays or self.skipped >= self.wait
         if tree and drafts:
@@ -568,7 +573,8 @@ class CostAwareDrafting:
 
     def start_call(self) -> None:
         """A new call: its text may be one the draft guesses better than the last call's, so its first round that may
-        draft looks, where a look costs less than a plain step (a dear look keeps its wait)."""
+        draft looks, where a look costs less than a plain step and drafted rounds at the call's batch size did not
+        lose clearly (a dear look, or one at a batch size where drafting lost, keeps its wait)."""
         self.new_call = self.held_back = True
         self.forget_round()
 
@@ -623,6 +629,7 @@ class _Learned:
                     pooled[batch_bucket(int(batch_size))].append(float(gain) + recovery * loss)
             self.realized_gain[do_sample] = {bucket: sum(values) / len(values) for bucket, values in pooled.items()}
         self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
+        self.saved_at = -math.inf  # `time.monotonic()` of this process's last write
 
     def cost_models_of(self, do_sample: bool) -> Callable[[int, int], CostModel]:
         """The cost models per batch size and context length (`context_bucket`) of greedy or of sampled rounds,
@@ -654,9 +661,11 @@ class _Learned:
         )
         return self.cost_models[nearest].costs()
 
-    def save(self) -> None:
+    def save(self, throttled: bool = False) -> None:
         """Store the timed cost models and what drafted rounds delivered under `disk_key` in the file they came
-        from, beside what other processes stored."""
+        from, beside what other processes stored; `throttled`: not within `SAVE_INTERVAL_SECONDS` of the last write."""
+        if throttled and time.monotonic() - self.saved_at < SAVE_INTERVAL_SECONDS:
+            return
         timed = {_stored_name(*key): model.state() for key, model in self.cost_models.items() if model.knows_plain_step}
         if timed:
             delivered = {
@@ -666,6 +675,7 @@ class _Learned:
             _gains_written.update({(self.disk_key, name): gains for name, gains in delivered.items()})
             self.stored |= timed | delivered
             write_cache(self.path, read_cache(self.path) | {self.disk_key: self.stored})
+            self.saved_at = time.monotonic()
 
 
 def call_progress(num_accepted: list[int], remaining: list[int] | None = None) -> float:
@@ -778,7 +788,7 @@ def cost_aware_drafting(
     if options.draft_costs is not None:
         return CostAwareDrafting(options.draft_costs, options.prompt_lookup, do_sample)
     learned = _learned_with(target, draft, options)
-    learned.save()  # what the calls before this one timed, for the next process
+    learned.save(throttled=True)  # what the calls before this one timed, for the next process
     key = (options.prompt_lookup, do_sample, tree)
     if key not in learned.drafting:
         learned.drafting[key] = CostAwareDrafting(

@@ -264,6 +264,37 @@ def test_a_first_call_measures_nothing_up_front_and_a_later_one_starts_from_what
     assert learned_costs(target, draft)(2) is not cost_model  # each batch size learns its own
 
 
+def test_a_calls_start_writes_what_the_process_learned_at_most_once_an_interval_and_its_end_writes_it_all(
+    tmp_path, monkeypatch
+):
+    """Replacing the file can cost a decode step or two (ext4 flushes a file renamed over another): a call's start
+    writes only where the last write is older than `SAVE_INTERVAL_SECONDS`, and the process's end writes the rest."""
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target, block_size=6)
+    draft.drafting_options = DraftingOptions(draft_length="cost")
+    input_ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "draft_costs.json"
+
+    def stored_plain_step() -> float:
+        return next(iter(json.loads(path.read_text()).values()))["greedy 1 256"]["verify_seconds"][0]
+
+    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    assert not path.exists()  # the first call's start: nothing timed yet
+    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    written = stored_plain_step()  # the second call's start: the first write
+    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    learned = learned_costs(target, draft)(1).verify_seconds[0]
+    assert learned != written and stored_plain_step() == written  # the third call's start: within the interval
+    _save_all()  # as the process does when it ends
+    assert stored_plain_step() == learned
+    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    learned = learned_costs(target, draft)(1).verify_seconds[0]
+    assert stored_plain_step() != learned
+    monkeypatch.setattr(cost_aware, "SAVE_INTERVAL_SECONDS", 0.0)
+    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    assert stored_plain_step() == learned  # a start after the interval writes what the calls before it learned
+
+
 def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_models(tmp_path, monkeypatch):
     target = tiny_target("qwen3")
     draft = tiny_draft(target, block_size=6)
@@ -440,6 +471,19 @@ def test_a_text_whose_drafts_lose_clearly_waits_longest_and_a_new_call_looks_at_
     assert all(drafting.plan(committed, limit=4) is not None for _ in range(5))
     drafting.start_call()
     assert drafting.plan(committed, limit=4) is None  # a new call's first round looks: its text may be better
+
+
+def test_a_new_call_keeps_its_wait_where_drafted_rounds_at_its_batch_size_lost_clearly():
+    """A batch moves on at its slowest row's pace: where its drafted rounds lost clearly, a new text is no reason to
+    look before the wait is over, while a loss within the swing of timings still looks at once."""
+    committed = [torch.tensor([1, 2, 3])] * 4
+    for gain, looks in ((0.95, True), (0.5, False)):
+        drafting = CostAwareDrafting(STEEP, realized_gain={4: gain})  # a look costs 0.3 of a step: cheap
+        drafting.wait = CostAwareDrafting.MAX_SKIPPED  # the last call's text lost
+        drafting.start_call()
+        assert (drafting.plan(committed, limit=4) is None) == looks
+    assert all(drafting.plan(committed, limit=4) is not None for _ in range(CostAwareDrafting.MAX_SKIPPED - 1))
+    assert drafting.plan(committed, limit=4) is None  # the wait is over: it looks
 
 
 def test_a_look_verifies_a_draft_until_the_process_timed_one_at_its_batch_size():
