@@ -629,7 +629,7 @@ class _Learned:
                     pooled[batch_bucket(int(batch_size))].append(float(gain) + recovery * loss)
             self.realized_gain[do_sample] = {bucket: sum(values) / len(values) for bucket, values in pooled.items()}
         self.drafting: dict[tuple[int, bool, bool], CostAwareDrafting] = {}
-        self.saved_at = -math.inf  # `time.monotonic()` of this process's last write
+        self.saved_at = time.monotonic()  # of this process's last write, or of reading what it would write again
 
     def cost_models_of(self, do_sample: bool) -> Callable[[int, int], CostModel]:
         """The cost models per batch size and context length (`context_bucket`) of greedy or of sampled rounds,
@@ -741,7 +741,9 @@ _all_learned: "weakref.WeakSet[_Learned]" = weakref.WeakSet()  # what to store w
 
 
 @atexit.register
-def _save_all() -> None:
+def save_learned_costs() -> None:
+    """Store what this process's runs learned (`learned_costs`, what drafted rounds delivered) for the machine's next
+    process now, as the process's end does: a call's start stores it at most once a `SAVE_INTERVAL_SECONDS`."""
     for learned in list(_all_learned):
         learned.save()
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+from ..cost_aware import save_learned_costs
 from ..drafting import DRAFT_LENGTHS, DraftingOptions
 from ..published_format import check_draft_folder, draft_config, load_draft
 from ..targets import eos_token_ids, load_target
@@ -264,6 +265,7 @@ def bench_report(
     )
     cold_repeats = args.repeats if args.cold_repeats is None else args.cold_repeats
     if args.cold:
+        save_learned_costs()  # the costs the cold processes start from: what the warm run learned
         measured = report["config"]["methods"]  # with the baselines run_bench added
         prompt_ids = tokenized_prompts(tokenizer, prompts)
         report["results"] += cold_results(

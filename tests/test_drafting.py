@@ -12,7 +12,6 @@ from domino_spec.cost_aware import (
     CostAwareDrafting,
     CostModel,
     FixedCosts,
-    _save_all,
     call_progress,
     capped_by_longer,
     choose_draft_length,
@@ -21,6 +20,7 @@ from domino_spec.cost_aware import (
     forget_draft_costs,
     learned_costs,
     prompt_lookup,
+    save_learned_costs,
 )
 from domino_spec.drafting import DraftSampling
 from domino_spec.generation import left_pad, optimize_for_cpu, speculative_generate
@@ -268,7 +268,8 @@ def test_a_calls_start_writes_what_the_process_learned_at_most_once_an_interval_
     tmp_path, monkeypatch
 ):
     """Replacing the file can cost a decode step or two (ext4 flushes a file renamed over another): a call's start
-    writes only where the last write is older than `SAVE_INTERVAL_SECONDS`, and the process's end writes the rest."""
+    writes only where the process's last write (or read) is older than `SAVE_INTERVAL_SECONDS`, and its end writes
+    the rest."""
     target = tiny_target("qwen3")
     draft = tiny_draft(target, block_size=6)
     draft.drafting_options = DraftingOptions(draft_length="cost")
@@ -278,15 +279,11 @@ def test_a_calls_start_writes_what_the_process_learned_at_most_once_an_interval_
     def stored_plain_step() -> float:
         return next(iter(json.loads(path.read_text()).values()))["greedy 1 256"]["verify_seconds"][0]
 
-    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
-    assert not path.exists()  # the first call's start: nothing timed yet
-    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
-    written = stored_plain_step()  # the second call's start: the first write
-    speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
-    learned = learned_costs(target, draft)(1).verify_seconds[0]
-    assert learned != written and stored_plain_step() == written  # the third call's start: within the interval
-    _save_all()  # as the process does when it ends
-    assert stored_plain_step() == learned
+    for _ in range(2):
+        speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    assert not path.exists()  # within the interval from the process's read: no call's start writes
+    save_learned_costs()  # as the process does when it ends
+    assert stored_plain_step() == learned_costs(target, draft)(1).verify_seconds[0]
     speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
     learned = learned_costs(target, draft)(1).verify_seconds[0]
     assert stored_plain_step() != learned
@@ -300,8 +297,9 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     draft = tiny_draft(target, block_size=6)
     draft.drafting_options = DraftingOptions(draft_length="cost")
     input_ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):  # each call stores what the calls before it timed
+    for _ in range(2):
         speculative_generate(target, draft, input_ids, max_new_tokens=12, eos_token_id=[])
+    save_learned_costs()  # as the process does when it ends
     timed = learned_costs(target, draft)(1)
     path = tmp_path / "draft_costs.json"
     stored = json.loads(path.read_text())
@@ -316,6 +314,7 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
 
     # a drafting round dearer than a plain step, so a look costs more than one: a new call looks no sooner for it
     stored[next(iter(stored))]["greedy 1 256"]["draft"] = 2 * restored.verify_seconds[0]
+    stored[next(iter(stored))]["greedy 1 256"]["catch_up"] = 2 * restored.verify_seconds[0]
     for gain, first_drafting_pass in ((1.5, 1), (0.95, 2), (0.5, None)):
         stored[next(iter(stored))]["greedy gains"] = {"1": gain}  # what the last process's drafted rounds delivered
         path.write_text(json.dumps(stored))
@@ -331,7 +330,7 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
         gc.collect()  # the state of the processes before is gone with them
         cost_aware._gains_written.clear()
         first_drafting_passes.append(_drafting_passes(target, draft, input_ids)[:1])
-        _save_all()  # as the process does when it ends
+        save_learned_costs()  # as the process does when it ends
         stored_gains.append(json.loads(path.read_text())[next(iter(stored))]["greedy gains"]["1"])
     assert stored_gains[:2] == [0.75, 0.875] and first_drafting_passes == [[], [], [2]]  # at 0.9375 it looks again
 
@@ -341,11 +340,11 @@ def test_a_new_process_starts_from_the_costs_the_last_one_timed_with_the_same_mo
     gc.collect()
     cost_aware._gains_written.clear()
     speculative_generate(target, draft, input_ids, max_new_tokens=1, eos_token_id=[])  # reads 0.5 back as 0.75
-    _save_all()
+    save_learned_costs()
     forget_draft_costs(target)  # the same process reads its own loss back: it takes no share of it back again
     gc.collect()
     speculative_generate(target, draft, input_ids, max_new_tokens=1, eos_token_id=[])  # no round: nothing timed
-    _save_all()
+    save_learned_costs()
     assert json.loads(path.read_text())[next(iter(stored))]["greedy gains"]["1"] == 0.75
 
     monkeypatch.setenv("DOMINO_DRAFT_COSTS", str(tmp_path / "elsewhere.json"))
