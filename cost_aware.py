@@ -276,8 +276,7 @@ class CostAwareDrafting:
     a loss, each one in a row waits longer (`MAX_LOSING_LOOKS`). Where the recent rounds' own confidences make
     drafting lose clearly (`CLEAR_LOSS`: a text the draft guesses badly), it waits that longest at once; each call's
     first round that may draft looks where a look is cheaper than a plain step, since a call brings new text
-    (`start_call`), unless drafted rounds at its batch size lost clearly (a batch moves on at its slowest row's pace,
-    whatever the text).
+    (`start_call`).
     Where drafted rounds at a batch size (pooled with the sizes like it: `batch_bucket`) moved their calls on slower
     than plain steps (`call_progress`: a batch call waits for its furthest-behind row; `realized_gain`, which a new
     process takes from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where
@@ -369,8 +368,8 @@ class CostAwareDrafting:
             # than a plain step (a wide batch): look again as seldom as the exploration budget allows at once, not
             # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
             self.wait = max(self.wait, self._longest_wait(len(sequences)))
-        if self.new_call and self._look_steps(len(sequences)) <= 1 and not self._lost_by_margin(len(sequences)):
-            self.skipped = max(self.skipped, self.wait)  # a cheap look: the call's text may pay
+        if self.new_call and self._look_steps(len(sequences)) <= 1:  # a cheap look: the call's text may pay
+            self.skipped = max(self.skipped, self.wait)
         self.new_call = False
         drafts = self.pays or self.skipped >= self.wait
         if tree and drafts:
@@ -573,8 +572,7 @@ class CostAwareDrafting:
 
     def start_call(self) -> None:
         """A new call: its text may be one the draft guesses better than the last call's, so its first round that may
-        draft looks, where a look costs less than a plain step and drafted rounds at the call's batch size did not
-        lose clearly (a dear look, or one at a batch size where drafting lost, keeps its wait)."""
+        draft looks, where a look costs less than a plain step (a dear look keeps its wait)."""
         self.new_call = self.held_back = True
         self.forget_round()
 
@@ -663,7 +661,8 @@ class _Learned:
 
     def save(self, throttled: bool = False) -> None:
         """Store the timed cost models and what drafted rounds delivered under `disk_key` in the file they came
-        from, beside what other processes stored; `throttled`: not within `SAVE_INTERVAL_SECONDS` of the last write."""
+        from, beside what other processes stored; `throttled`: not within `SAVE_INTERVAL_SECONDS` of the last write
+        (or the read)."""
         if throttled and time.monotonic() - self.saved_at < SAVE_INTERVAL_SECONDS:
             return
         timed = {_stored_name(*key): model.state() for key, model in self.cost_models.items() if model.knows_plain_step}
@@ -743,7 +742,7 @@ _all_learned: "weakref.WeakSet[_Learned]" = weakref.WeakSet()  # what to store w
 @atexit.register
 def save_learned_costs() -> None:
     """Store what this process's runs learned (`learned_costs`, what drafted rounds delivered) for the machine's next
-    process now, as the process's end does: a call's start stores it at most once a `SAVE_INTERVAL_SECONDS`."""
+    process now, as the process's end does; a call's start stores it at most every `SAVE_INTERVAL_SECONDS`."""
     for learned in list(_all_learned):
         learned.save()
 

@@ -472,19 +472,6 @@ def test_a_text_whose_drafts_lose_clearly_waits_longest_and_a_new_call_looks_at_
     assert drafting.plan(committed, limit=4) is None  # a new call's first round looks: its text may be better
 
 
-def test_a_new_call_keeps_its_wait_where_drafted_rounds_at_its_batch_size_lost_clearly():
-    """A batch moves on at its slowest row's pace: where its drafted rounds lost clearly, a new text is no reason to
-    look before the wait is over, while a loss within the swing of timings still looks at once."""
-    committed = [torch.tensor([1, 2, 3])] * 4
-    for gain, looks in ((0.95, True), (0.5, False)):
-        drafting = CostAwareDrafting(STEEP, realized_gain={4: gain})  # a look costs 0.3 of a step: cheap
-        drafting.wait = CostAwareDrafting.MAX_SKIPPED  # the last call's text lost
-        drafting.start_call()
-        assert (drafting.plan(committed, limit=4) is None) == looks
-    assert all(drafting.plan(committed, limit=4) is not None for _ in range(CostAwareDrafting.MAX_SKIPPED - 1))
-    assert drafting.plan(committed, limit=4) is None  # the wait is over: it looks
-
-
 def test_a_look_verifies_a_draft_until_the_process_timed_one_at_its_batch_size():
     """Restored costs that make every draft look dear (an earlier process timed them in a slow spell) would keep a
     look from verifying any, and so from ever timing what a pass over drafts costs now."""
