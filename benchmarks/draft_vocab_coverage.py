@@ -21,6 +21,7 @@ import transformers
 
 from domino_spec.published_format import load_draft
 from domino_spec.targets import load_target
+from domino_spec.training.data import by_frequency
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = ROOT / "recipes" / "smollm2-135m" / "data"
@@ -37,11 +38,6 @@ def response_token_counts(data_dir: Path) -> tuple[Counter, int]:
     if not conversations:
         raise FileNotFoundError(f"no committed conversations (piece-*.jsonl.gz) in {data_dir}")
     return counts, conversations
-
-
-def most_frequent(counts: Counter, size: int) -> set[int]:
-    """The `size` most frequent token ids (ties by id), as `training.data.draft_vocabulary` ranks them."""
-    return set(sorted(counts, key=lambda token: (-counts[token], token))[:size])
 
 
 def main() -> None:
@@ -61,7 +57,8 @@ def main() -> None:
     own = set(draft.draft_vocab.tolist())
     counts, conversations = response_token_counts(DATA_DIR)
     sizes = [int(size) for size in args.sizes.split(",")]
-    vocabularies = {f"top {size:,}": most_frequent(counts, size) for size in sizes}
+    ranked = by_frequency(counts)  # as a draft vocabulary takes them (`training.data.draft_vocabulary`)
+    vocabularies = {f"top {size:,}": set(ranked[:size]) for size in sizes}
     texts = json.loads(Path(args.bench).read_text())["texts"]
 
     rows = []

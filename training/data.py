@@ -466,6 +466,11 @@ def generation_settings(path: str) -> dict | None:
     return None if generation is None else {key: value for key, value in generation.items() if key != "target"}
 
 
+def by_frequency(counts: Counter) -> list[int]:
+    """The counted token ids, the most frequent first (ties by id): the order a draft vocabulary takes them in."""
+    return sorted(counts, key=lambda token: (-counts[token], token))
+
+
 def draft_vocabulary(dataset, size: int, vocab_size: int) -> list[int]:
     """The `size` token ids a draft proposes: the most frequent in the responses of `dataset` (ties by id), then, if
     the responses hold fewer distinct tokens, the lowest unseen ids of the `vocab_size` the target has."""
@@ -474,7 +479,7 @@ def draft_vocabulary(dataset, size: int, vocab_size: int) -> list[int]:
     counts = Counter()
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
         counts.update(token for token, in_response in zip(ids, mask) if in_response)
-    ranked = sorted(counts, key=lambda token: (-counts[token], token))[:size]
+    ranked = by_frequency(counts)[:size]
     seen = set(ranked)
     unseen = (token for token in range(vocab_size) if token not in seen)
     return ranked + list(itertools.islice(unseen, size - len(ranked)))
