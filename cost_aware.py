@@ -115,8 +115,8 @@ MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate
 # of a shorter pass with drafts moves its excess over what the prior shape predicts from that one by STALE_RELAXATION.
 STALE_AFTER = 16
 STALE_RELAXATION = 0.05
-# A loss read back from an earlier process keeps a process from looking where a look is dear (`CLEAR_LOSS`), and a
-# process that does not look cannot revise it: one timed in a slow spell (a profiler, a busy machine) would turn
+# A loss read back from an earlier process limits a process to looks at that batch size (`_delivered`), and a
+# process that does not draft cannot revise it: one timed in a slow spell (a profiler, a busy machine) would turn
 # drafting off for good. So each process that reads a stored loss takes this share of it back, and after a few
 # processes one looks and times it again.
 STORED_LOSS_RECOVERY = 0.5
@@ -270,19 +270,16 @@ class CostAwareDrafting:
 
     A round that drafts pays the drafting round even when it then verifies no draft. So it drafts only when a round with
     the recent confidences (an average that halves the weight of each older round) would commit more tokens per second
-    than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds, or more where a
-    look (a drafting round reading the context skipped rounds held back, and a verify pass) costs so much of a step
-    that looking would take over `EXPLORATION_SHARE` of the time (a wide batch); where such a dear look keeps finding
-    a loss, each one in a row waits longer (`MAX_LOSING_LOOKS`). Where the recent rounds' own confidences make
-    drafting lose clearly (`CLEAR_LOSS`: a text the draft guesses badly), it waits that longest at once; each call's
-    first round that may draft looks where a look is cheaper than a plain step, since a call brings new text
-    (`start_call`).
+    than a plain decode step; skipping, it looks again after 1, 2, 4, ... up to `MAX_SKIPPED` rounds. A look (a
+    drafting round reading the context skipped rounds held back, and a verify pass) that costs more than a plain step
+    (a wide batch) waits instead, from the first round at that batch size on, as long as looking within
+    `EXPLORATION_SHARE` of the time allows; where such a dear look keeps finding a loss, each one in a row waits longer
+    (`MAX_LOSING_LOOKS`). Where the recent rounds' own confidences make drafting lose clearly (`CLEAR_LOSS`: a text
+    the draft guesses badly), it waits that longest at once; each call's first round that may draft looks where a look
+    is cheaper than a plain step, since a call brings new text (`start_call`).
     Where drafted rounds at a batch size (pooled with the sizes like it: `batch_bucket`) moved their calls on slower
     than plain steps (`call_progress`: a batch call waits for its furthest-behind row; `realized_gain`, which a new
-    process takes from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks; where
-    they lost clearly (`CLEAR_LOSS`) and a look costs more than a plain step, a process arriving at that batch size,
-    new or not, looks as seldom as the budget allows from its first round there (a cheap look goes on looking soon:
-    the loss may have been the text's, not the batch's).
+    process takes from the last, less a share of the loss: `STORED_LOSS_RECOVERY`), it drafts only those looks.
     A draft's confidence (its distribution's top probability) is scaled by how often drafts were accepted where the
     run's earlier rounds predicted they would be (`calibration`). A looked-up round costs no drafting; how far
     its tokens are accepted is estimated per matched n-gram size and position from the run's earlier repeats, verified
@@ -363,10 +360,9 @@ class CostAwareDrafting:
             self.pays = self._drafting_pays(costs, len(sequences))
         elif not self._delivered(len(sequences)):  # before this process's first drafted round
             self.pays = False
-        if not self.pays and self._lost_by_margin(len(sequences)) and self._look_steps(len(sequences)) > 1:
-            # drafted rounds at this batch size (this process's or earlier ones') lost clearly, and a look costs more
-            # than a plain step (a wide batch): look again as seldom as the exploration budget allows at once, not
-            # after 1, 2, 4, ... rounds. A cheap look goes on looking soon: the loss may have been the text's.
+        if not self.pays and self._look_steps(len(sequences)) > 1:
+            # a look costs more than a plain step (a wide batch): look as seldom as the exploration budget allows from
+            # the first round at this batch size on, not after 1, 2, 4, ... rounds. A cheap look goes on looking soon.
             self.wait = max(self.wait, self._longest_wait(len(sequences)))
         if self.new_call and self._look_steps(len(sequences)) <= 1:  # a cheap look: the call's text may pay
             self.skipped = max(self.skipped, self.wait)
@@ -512,11 +508,6 @@ class CostAwareDrafting:
         """Whether drafted rounds at batch sizes like `batch_size` (`batch_bucket`, else the nearest) committed
         tokens at least as fast as plain steps, as they turned out; True before any was timed."""
         return self._gain_near(batch_size) >= 1.0
-
-    def _lost_by_margin(self, batch_size: int) -> bool:
-        """Whether drafted rounds at batch sizes like `batch_size` committed tokens slower than plain steps by more
-        than timings swing (`CLEAR_LOSS`)."""
-        return self._gain_near(batch_size) < self.CLEAR_LOSS
 
     def _gain_near(self, batch_size: int) -> float:
         if not self.realized_gain:
