@@ -121,25 +121,28 @@ def set_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor) -> None:
 @torch.no_grad()
 def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int]) -> DominoDraftModel:
     """A new draft that proposes only `token_ids` (distinct, the most frequent first): `draft`'s weights, the head's
-    `W_up` rows of those tokens. Without a candidate pool it drafts what `draft` drafts wherever its pick is among
-    them."""
+    `W_up` rows of those tokens. Tokens outside `draft`'s own vocabulary get zero rows: the backbone's base logits
+    alone score them until training gives them a residual. Without a candidate pool, a draft whose vocabulary holds
+    `draft`'s drafts what `draft` drafts wherever its pick is among them."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=draft.fc.weight.device)
     vocab_size = draft.config.vocab_size
-    current = draft.draft_vocab
-    if current is None:
-        current = torch.arange(vocab_size, device=token_ids.device)
-    rows = _index_of(current, vocab_size, missing=-1)[token_ids.clamp(0, vocab_size - 1)]
-    if (rows < 0).any() or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+    if token_ids.ndim != 1 or token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
         raise ValueError(
-            f"a draft vocabulary must lie within the draft's own ({current.numel()} tokens): the head has no "
-            "residual row for the others."
+            f"a draft vocabulary holds token ids in [0, {vocab_size - 1}], got {token_ids.tolist()[:8]}..."
         )
     state_dict = {**draft.state_dict(), "draft_vocab": token_ids}
     if draft.head is not None:
-        state_dict["head.embed_proj.2.weight"] = state_dict["head.embed_proj.2.weight"][rows]
-    restricted = _rebuilt(draft, {"draft_vocab_size": token_ids.numel()}, state_dict)
-    set_draft_vocab(restricted, token_ids)  # checks them: distinct ids of the vocabulary
-    return restricted
+        current = (
+            draft.draft_vocab if draft.draft_vocab is not None else torch.arange(vocab_size, device=token_ids.device)
+        )
+        rows = _index_of(current, vocab_size, missing=-1)[token_ids]
+        residual = state_dict["head.embed_proj.2.weight"]  # [V, R]
+        state_dict["head.embed_proj.2.weight"] = torch.where(
+            (rows >= 0)[:, None], residual[rows.clamp(min=0)], torch.zeros((), dtype=residual.dtype)
+        )
+    changed = _rebuilt(draft, {"draft_vocab_size": token_ids.numel()}, state_dict)
+    set_draft_vocab(changed, token_ids)  # checks them: distinct ids of the vocabulary
+    return changed
 
 
 @torch.no_grad()

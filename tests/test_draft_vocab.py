@@ -64,9 +64,25 @@ def test_a_restricted_draft_drafts_what_the_full_one_does_where_its_pick_is_kept
     assert torch.isneginf(drafted.logits[..., outside]).all()  # q is zero outside the draft vocabulary
     restricted.drafting_options = DraftingOptions(candidate_pool=4)  # a pool of the best base tokens it keeps
     assert not outside[draft_from_scratch(restricted, target, input_ids).tokens].any()
-    missing = next(token for token in range(128) if token not in restricted.draft_vocab.tolist())
-    with pytest.raises(ValueError, match="must lie within the draft's own"):
-        with_draft_vocab(restricted, torch.tensor([int(kept[0]), missing]))
+    with pytest.raises(ValueError, match=r"a draft vocabulary holds token ids in \[0, 127\]"):
+        with_draft_vocab(restricted, torch.tensor([int(kept[0]), 128]))
+
+
+def test_a_grown_draft_vocabulary_keeps_the_residual_rows_and_scores_new_tokens_by_base_logits_alone(target):
+    draft = _strong_draft(target, draft_vocab=torch.arange(40, 90))
+    new_tokens = torch.tensor([7, 3, 120])
+    grown = with_draft_vocab(draft, torch.cat([draft.draft_vocab, new_tokens]))
+    assert grown.config.draft_vocab_size == 53 and torch.equal(grown.draft_vocab[50:], new_tokens)
+    residual_rows = grown.head.embed_proj[2].weight
+    torch.testing.assert_close(residual_rows[:50], draft.head.embed_proj[2].weight, rtol=0, atol=0)
+    assert not residual_rows[50:].any()
+    input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    before, after = draft_from_scratch(draft, target, input_ids), draft_from_scratch(grown, target, input_ids)
+    assert torch.equal(after.tokens, before.tokens)  # the strong residuals keep their picks: the same chain, so the
+    torch.testing.assert_close(after.logits[..., 40:90], before.logits[..., 40:90])  # kept tokens score the same
+    assert torch.isfinite(after.logits[..., new_tokens]).all()
+    shrunk_back = with_draft_vocab(grown, draft.draft_vocab)
+    torch.testing.assert_close(shrunk_back.head.embed_proj[2].weight, draft.head.embed_proj[2].weight)
 
 
 def test_greedy_decoding_with_a_draft_vocabulary_is_lossless_on_both_paths(target):

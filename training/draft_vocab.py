@@ -1,6 +1,10 @@
 """`domino-spec draft-vocab`: give an existing draft a draft vocabulary, the most frequent tokens of regenerated data.
 
 domino-spec draft-vocab DIR OUT --data FILE --size N
+
+A smaller vocabulary drafts what the draft drafted wherever its pick is kept, for less LM-head work per drafted token.
+A larger one gives its new tokens zero residual rows: the backbone's base logits alone score them until a training
+leg (`domino-spec train --init_from OUT`) teaches the head their residuals.
 """
 
 import argparse
@@ -15,7 +19,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="domino-spec draft-vocab",
         description="Write a copy of a draft that proposes only the N most frequent tokens of regenerated data: "
-        "the backbone as it is, the head's residual rows of those tokens (cheaper drafting; outputs unchanged).",
+        "the backbone as it is, the head's residual rows of those tokens, zero rows for tokens it had none for "
+        "(outputs unchanged either way).",
     )
     parser.add_argument("draft_dir", metavar="DIR", help="a draft folder")
     parser.add_argument("output_dir", metavar="OUT", help="folder to write the new draft to")
