@@ -115,10 +115,9 @@ MAX_TIMING_JUMP = 2.0  # a timing counts as at most this many times the estimate
 # of a shorter pass with drafts moves its excess over what the prior shape predicts from that one by STALE_RELAXATION.
 STALE_AFTER = 16
 STALE_RELAXATION = 0.05
-# A loss read back from an earlier process limits a process to looks at that batch size (`_delivered`), and a
-# process that does not draft cannot revise it: one timed in a slow spell (a profiler, a busy machine) would turn
-# drafting off for good. So each process that reads a stored loss takes this share of it back, and after a few
-# processes one looks and times it again.
+# A loss read back from an earlier process limits a process to looks at that batch size (`_delivered`) until its own
+# drafted rounds deliver more: one timed in a slow spell (a profiler, a busy machine) would hold drafting back for
+# many processes. So each process that reads a stored loss takes this share of it back.
 STORED_LOSS_RECOVERY = 0.5
 # Between a process's writes of what it learned at a call's start: replacing a file costs tens of milliseconds on some
 # file systems (ext4 flushes a file renamed over another), a decode step or two of a short call.

@@ -121,14 +121,16 @@ def set_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor) -> None:
 @torch.no_grad()
 def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int]) -> DominoDraftModel:
     """A new draft that proposes only `token_ids` (distinct, the most frequent first): `draft`'s weights, the head's
-    `W_up` rows of those tokens. Tokens outside `draft`'s own vocabulary get zero rows: the backbone's base logits
-    alone score them until training gives them a residual. Without a candidate pool, a draft whose vocabulary holds
-    `draft`'s drafts what `draft` drafts wherever its pick is among them."""
+    `W_up` rows of those tokens. Shrunk, without a candidate pool, it drafts what `draft` drafts wherever `draft`'s pick
+    is among `token_ids`. Grown, the tokens outside `draft`'s vocabulary get zero rows: the backbone's base logits
+    alone score them until training gives them residuals."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=draft.fc.weight.device)
     vocab_size = draft.config.vocab_size
     if token_ids.ndim != 1 or token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+        span = f", ids {int(token_ids.min())} to {int(token_ids.max())}" if token_ids.numel() else ""
         raise ValueError(
-            f"a draft vocabulary holds token ids in [0, {vocab_size - 1}], got {token_ids.tolist()[:8]}..."
+            f"a draft vocabulary is a 1-D tensor of token ids in [0, {vocab_size - 1}] (the target's vocabulary), "
+            f"got shape {tuple(token_ids.shape)}{span}."
         )
     state_dict = {**draft.state_dict(), "draft_vocab": token_ids}
     if draft.head is not None:
@@ -136,10 +138,8 @@ def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int
             draft.draft_vocab if draft.draft_vocab is not None else torch.arange(vocab_size, device=token_ids.device)
         )
         rows = _index_of(current, vocab_size, missing=-1)[token_ids]
-        residual = state_dict["head.embed_proj.2.weight"]  # [V, R]
-        state_dict["head.embed_proj.2.weight"] = torch.where(
-            (rows >= 0)[:, None], residual[rows.clamp(min=0)], torch.zeros((), dtype=residual.dtype)
-        )
+        residual = state_dict["head.embed_proj.2.weight"][rows.clamp(min=0)]  # [V, R]
+        state_dict["head.embed_proj.2.weight"] = residual.masked_fill((rows < 0)[:, None], 0.0)
     changed = _rebuilt(draft, {"draft_vocab_size": token_ids.numel()}, state_dict)
     set_draft_vocab(changed, token_ids)  # checks them: distinct ids of the vocabulary
     return changed

@@ -64,7 +64,7 @@ def test_a_restricted_draft_drafts_what_the_full_one_does_where_its_pick_is_kept
     assert torch.isneginf(drafted.logits[..., outside]).all()  # q is zero outside the draft vocabulary
     restricted.drafting_options = DraftingOptions(candidate_pool=4)  # a pool of the best base tokens it keeps
     assert not outside[draft_from_scratch(restricted, target, input_ids).tokens].any()
-    with pytest.raises(ValueError, match=r"a draft vocabulary holds token ids in \[0, 127\]"):
+    with pytest.raises(ValueError, match=r"token ids in \[0, 127\] \(the target's vocabulary\), got shape \(2,\), ids"):
         with_draft_vocab(restricted, torch.tensor([int(kept[0]), 128]))
 
 
