@@ -359,11 +359,12 @@ class CostAwareDrafting:
             self.pays = self._drafting_pays(costs, len(sequences))
         elif not self._delivered(len(sequences)):  # before this process's first drafted round
             self.pays = False
-        if not self.pays and self._look_steps(len(sequences)) > 1:
-            # a look costs more than a plain step (a wide batch): look as seldom as the exploration budget allows from
-            # the first round at this batch size on, not after 1, 2, 4, ... rounds. A cheap look goes on looking soon.
+        dear_look = self._look_steps(len(sequences)) > 1  # a look costs more than a plain step (a wide batch)
+        if not self.pays and dear_look:
+            # look as seldom as the exploration budget allows from the first round at this batch size on, not after
+            # 1, 2, 4, ... rounds. A cheap look goes on looking soon.
             self.wait = max(self.wait, self._longest_wait(len(sequences)))
-        if self.new_call and self._look_steps(len(sequences)) <= 1:  # a cheap look: the call's text may pay
+        if self.new_call and not dear_look:  # a cheap look: the call's text may pay
             self.skipped = max(self.skipped, self.wait)
         self.new_call = False
         drafts = self.pays or self.skipped >= self.wait

@@ -134,10 +134,9 @@ def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int
         )
     state_dict = {**draft.state_dict(), "draft_vocab": token_ids}
     if draft.head is not None:
-        current = (
-            draft.draft_vocab if draft.draft_vocab is not None else torch.arange(vocab_size, device=token_ids.device)
-        )
-        rows = _index_of(current, vocab_size, missing=-1)[token_ids]
+        rows = token_ids  # a head over the whole vocabulary has a row per token id
+        if draft.draft_vocab is not None:
+            rows = _index_of(draft.draft_vocab, vocab_size, missing=-1)[token_ids]
         residual = state_dict["head.embed_proj.2.weight"][rows.clamp(min=0)]  # [V, R]
         state_dict["head.embed_proj.2.weight"] = residual.masked_fill((rows < 0)[:, None], 0.0)
     changed = _rebuilt(draft, {"draft_vocab_size": token_ids.numel()}, state_dict)
