@@ -1418,6 +1418,11 @@ def test_hooked_features_equal_output_hidden_states(family):
         torch.testing.assert_close(soft.top_probs, probs.gather(-1, soft.top_ids))
         assert torch.equal(soft.top_ids[..., 0], probs.argmax(-1))
         assert (soft.top_probs[..., 4] >= probs.sort(-1, descending=True).values[..., 5]).all()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a --bf16 training step computing features online
+            autocast = target_features(target, input_ids, attention_mask, layer_ids, top_k=5)
+        assert autocast.hidden.dtype == torch.float32
+        torch.testing.assert_close(autocast.hidden, expected)
+        torch.testing.assert_close(autocast.top_probs, soft.top_probs)
 
 
 def test_feature_store_trains_like_online_features_and_resumes(tmp_path):

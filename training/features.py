@@ -44,7 +44,8 @@ def target_features(
 
     Forward hooks on the tapped decoder layers capture their outputs; without `top_k` the last one ends the forward
     early. The same features as inference reads from `output_hidden_states`
-    (`DominoDraftModel.fuse_target_hidden_states`).
+    (`DominoDraftModel.fuse_target_hidden_states`): the target runs in its own dtype even inside a bf16-autocast
+    training step, as it does in a feature store and in decoding.
     """
     decoder = target.get_decoder()
     layers = decoder.layers
@@ -62,7 +63,8 @@ def target_features(
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     model = target if top_k else decoder  # the whole model for logits as generation computes them (soft-capping)
     try:
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        with torch.autocast(input_ids.device.type, enabled=False):
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     except _StopAfterLastTappedLayer:
         outputs = None
     finally:
