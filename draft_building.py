@@ -100,21 +100,24 @@ def copy_target_layers(draft: DominoDraftModel, target: PreTrainedModel, layer_i
                 parameter.copy_(source[name])
 
 
+def _check_draft_vocab(token_ids: torch.Tensor, vocab_size: int, size: int | None = None) -> None:
+    """Raise `ValueError` unless `token_ids` are distinct ids of the target's vocabulary (`size` of them if given)."""
+    valid = token_ids.ndim == 1 and token_ids.numel() > 0 and token_ids.numel() == (size or token_ids.numel())
+    valid = valid and token_ids.unique().numel() == token_ids.numel()
+    if not valid or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+        count = f"{size} distinct (draft_vocab_size of the config)" if size else "distinct"
+        span = f", ids {int(token_ids.min())} to {int(token_ids.max())}" if token_ids.numel() else ""
+        raise ValueError(
+            f"a draft vocabulary is {count} token ids in [0, {vocab_size - 1}] (the target's vocabulary), got shape "
+            f"{tuple(token_ids.shape)}{span}."
+        )
+
+
 @torch.no_grad()
 def set_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor) -> None:
     """Make `token_ids` (the draft's `draft_vocab_size` distinct ids, most frequent first) its draft vocabulary."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=draft.fc.weight.device)
-    size, vocab_size = draft.config.draft_vocab_size, draft.config.vocab_size
-    if (
-        token_ids.shape != (size,)
-        or token_ids.unique().numel() != size
-        or int(token_ids.min()) < 0
-        or int(token_ids.max()) >= vocab_size
-    ):
-        raise ValueError(
-            f"draft_vocab must hold {size} distinct token ids in [0, {vocab_size - 1}] (draft_vocab_size and "
-            f"vocab_size of the config), got a tensor of shape {tuple(token_ids.shape)}."
-        )
+    _check_draft_vocab(token_ids, draft.config.vocab_size, draft.config.draft_vocab_size)
     draft.draft_vocab.copy_(token_ids)
 
 
@@ -126,12 +129,7 @@ def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int
     alone score them until training gives them residuals."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=draft.fc.weight.device)
     vocab_size = draft.config.vocab_size
-    if token_ids.ndim != 1 or token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
-        span = f", ids {int(token_ids.min())} to {int(token_ids.max())}" if token_ids.numel() else ""
-        raise ValueError(
-            f"a draft vocabulary is a 1-D tensor of token ids in [0, {vocab_size - 1}] (the target's vocabulary), "
-            f"got shape {tuple(token_ids.shape)}{span}."
-        )
+    _check_draft_vocab(token_ids, vocab_size)  # before they index the head's rows
     state_dict = {**draft.state_dict(), "draft_vocab": token_ids}
     if draft.head is not None:
         rows = token_ids  # a head over the whole vocabulary has a row per token id
@@ -139,9 +137,7 @@ def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int
             rows = _index_of(draft.draft_vocab, vocab_size, missing=-1)[token_ids]
         residual = state_dict["head.embed_proj.2.weight"][rows.clamp(min=0)]  # [V, R]
         state_dict["head.embed_proj.2.weight"] = residual.masked_fill((rows < 0)[:, None], 0.0)
-    changed = _rebuilt(draft, {"draft_vocab_size": token_ids.numel()}, state_dict)
-    set_draft_vocab(changed, token_ids)  # checks them: distinct ids of the vocabulary
-    return changed
+    return _rebuilt(draft, {"draft_vocab_size": token_ids.numel()}, state_dict)
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ def main(argv: list[str]) -> None:
         prog="domino-spec draft-vocab",
         description="Write a copy of a draft that proposes only the N most frequent tokens of regenerated data: "
         "the backbone as it is, the head's residual rows of those tokens, zero rows for tokens it had none for "
-        "(outputs unchanged either way).",
+        "(decoding stays the target's own either way).",
     )
     parser.add_argument("draft_dir", metavar="DIR", help="a draft folder")
     parser.add_argument("output_dir", metavar="OUT", help="folder to write the new draft to")
