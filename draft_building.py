@@ -141,6 +141,27 @@ def with_draft_vocab(draft: DominoDraftModel, token_ids: torch.Tensor | list[int
 
 
 @torch.no_grad()
+def with_more_layers(draft: DominoDraftModel, num_layers: int) -> DominoDraftModel:
+    """A new draft of `num_layers` decoder layers: `draft`'s, then copies of its last one with their attention and MLP
+    output projections zeroed, so each new layer passes its input through and the new draft drafts what `draft`
+    drafts until training moves them."""
+    depth = draft.config.num_hidden_layers
+    if num_layers <= depth:
+        raise ValueError(f"with_more_layers adds layers to a draft of {depth}; got num_layers={num_layers}.")
+    state_dict = draft.state_dict()
+    last = f"layers.{depth - 1}."
+    for name, value in list(state_dict.items()):
+        if not name.startswith(last):
+            continue
+        output_projection = ".o_proj." in name or ".down_proj." in name
+        for index in range(depth, num_layers):
+            state_dict[f"layers.{index}.{name[len(last) :]}"] = (
+                torch.zeros_like(value) if output_projection else value.clone()
+            )
+    return _rebuilt(draft, {"num_hidden_layers": num_layers}, state_dict)
+
+
+@torch.no_grad()
 def backbone_only(draft: DominoDraftModel) -> DominoDraftModel:
     """A DFlash-only draft of `draft`'s backbone: the same weights without the Domino head (the head's twin at equal
     data and steps when both go on training)."""
@@ -164,4 +185,5 @@ __all__ = [
     "from_target",
     "set_draft_vocab",
     "with_draft_vocab",
+    "with_more_layers",
 ]

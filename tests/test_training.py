@@ -41,6 +41,7 @@ from domino_spec.training.train import parse_train_arguments
 from domino_spec.training.trainer import DominoTrainer, DominoTrainingArguments
 
 from conftest import tiny_draft, tiny_target, tiny_tokenizer
+from speculative_helpers import draft_from_scratch
 
 DOMINO_SPEC = shutil.which("domino-spec")
 PLAIN_DECODING = functools.partial(speculative_generate, draft=None)  # what generate-data decodes with
@@ -742,6 +743,37 @@ def test_init_from_keeps_the_drafts_shape_or_its_backbone_refuses_other_shape_fl
     backbone.save_pretrained(tmp_path / "backbone")
     draft_args.init_from, draft_args.use_domino_head = str(tmp_path / "backbone"), True
     with pytest.raises(ValueError, match=r"use_domino_head=True \(the draft has False\)"):
+        build_draft(draft_args, target, tiny_tokenizer())
+
+
+def test_init_from_with_more_draft_layers_grows_a_draft_that_drafts_as_before_and_then_trains_every_layer(tmp_path):
+    from domino_spec.training.train import DraftArguments, build_draft
+
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target)  # 2 layers
+    draft.save_pretrained(tmp_path / "draft")
+    draft_args = DraftArguments(target="t", data="d", init_from=str(tmp_path / "draft"), draft_layers=4)
+    grown = build_draft(draft_args, target, tiny_tokenizer())
+    assert grown.config.num_hidden_layers == 4 and len(grown.layers) == 4
+    input_ids = torch.randint(0, 100, (2, 11), generator=torch.Generator().manual_seed(0))
+    before, after = draft_from_scratch(draft, target, input_ids), draft_from_scratch(grown, target, input_ids)
+    assert torch.equal(after.tokens, before.tokens)
+    torch.testing.assert_close(after.logits, before.logits)
+    # The new layers start as the last one with zero output projections; a step gives every weight a gradient.
+    assert not grown.layers[3].self_attn.o_proj.weight.any() and not grown.layers[2].mlp.down_proj.weight.any()
+    assert torch.equal(grown.layers[3].self_attn.q_proj.weight, draft.layers[1].self_attn.q_proj.weight)
+    grown.train()
+    features = grown.fuse_target_hidden_states(target(input_ids, output_hidden_states=True).hidden_states).detach()
+    embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    optimizer = torch.optim.SGD(grown.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        output = grown(input_ids, features, torch.tensor([[2, 6], [3, 5]]), embed_tokens, lm_head)
+        output.logits.logsumexp(-1).sum().backward()
+        optimizer.step()
+    assert grown.layers[3].self_attn.q_proj.weight.grad.any() and grown.layers[3].mlp.down_proj.weight.any()
+    draft_args.draft_layers = 1
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1 \(the draft has 2\)"):
         build_draft(draft_args, target, tiny_tokenizer())
 
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser, set_seed
 
-from ..draft_building import backbone_only, copy_target_layers, from_target
+from ..draft_building import backbone_only, copy_target_layers, from_target, with_more_layers
 from ..modeling_domino import DominoDraftModel
 from ..published_format import check_draft_folder, load_draft
 from ..targets import load_target, pad_token_id
@@ -46,7 +46,11 @@ class DraftArguments:
     target: str = field(metadata={"help": "Target model folder or asset name."})
     data: str = field(metadata={"help": "Regenerated .jsonl from `domino-spec generate-data`."})
     draft_layers: int | None = field(
-        default=None, metadata={"help": "Draft decoder layers (default: the published 5-for-36 ratio)."}
+        default=None,
+        metadata={
+            "help": "Draft decoder layers (default: the published 5-for-36 ratio). With --init_from, more than the "
+            "draft has appends layers that start by passing their input through (the draft drafts as before)."
+        },
     )
     block_size: int | None = field(default=None, metadata={"help": "Tokens per drafted block (default 16)."})
     use_domino_head: bool | None = field(
@@ -130,6 +134,8 @@ def build_draft(draft_args: DraftArguments, target, tokenizer, dataset=None) -> 
         draft = load_draft(draft_args.init_from)
         if draft.config.use_domino_head and shape.get("use_domino_head") is False:
             draft = backbone_only(draft)
+        if shape.get("num_hidden_layers", 0) > draft.config.num_hidden_layers:
+            draft = with_more_layers(draft, shape["num_hidden_layers"])
         conflicts = [
             f"{name}={value} (the draft has {getattr(draft.config, name)})"
             for name, value in shape.items()
