@@ -1,6 +1,7 @@
-"""Building a draft for a target: its config, a fresh draft, its first layers copied from the target, and a draft
-vocabulary. Training, the demo and the benchmarks build drafts; a checkpoint's users only load one, so this is part
-of the package and not of a checkpoint's code (`modeling_domino.py` never imports it).
+"""Building a draft for a target: its config, a fresh draft, its first layers copied from the target, a draft
+vocabulary, and more layers for a trained draft. Training, the demo and the benchmarks build drafts; a checkpoint's
+users only load one, so this is part of the package and not of a checkpoint's code (`modeling_domino.py` never
+imports it).
 """
 
 import torch
@@ -147,7 +148,7 @@ def with_more_layers(draft: DominoDraftModel, num_layers: int) -> DominoDraftMod
     drafts until training moves them."""
     depth = draft.config.num_hidden_layers
     if num_layers <= depth:
-        raise ValueError(f"with_more_layers adds layers to a draft of {depth}; got num_layers={num_layers}.")
+        raise ValueError(f"with_more_layers adds layers: num_layers must exceed the draft's {depth}, got {num_layers}.")
     state_dict = draft.state_dict()
     last = f"layers.{depth - 1}."
     for name, value in list(state_dict.items()):
